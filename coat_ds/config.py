@@ -1,0 +1,68 @@
+"""Configuration dataclasses: frozen, validated on construction, one line of doc per field."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .kernels.fp8 import get_format
+
+__all__ = ["OptimStateConfig", "AdamWHyperparams"]
+
+_BACKENDS = ("auto", "triton", "torch")
+_NONFINITE = ("skip", "raise")
+
+
+def _power_of_two(name: str, value: int, lo: int, hi: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo or value > hi or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two in [{lo}, {hi}], got {value!r}")
+
+
+@dataclass(frozen=True)
+class OptimStateConfig:
+    """How CoatAdamW stores its moments."""
+
+    first_moment_format: str = "e4m3"  # FP8 format of exp_avg: "e4m3" or "e5m2"
+    second_moment_format: str = "e4m3"  # FP8 format of exp_avg_sq: "e4m3" or "e5m2"
+    group_size: int = 128  # elements per quantization group along the last dim (power of two)
+    dynamic_range_expansion: bool = True  # per-group x -> sign(x)|x/c|^k before quantizing (DRE)
+    min_quant_numel: int = 4096  # tensors with fewer elements (whole tensor, not shard) keep FP32 moments
+    nonfinite: str = "skip"  # non-finite grad in a group: "skip" that group (counted) or "raise" after the step
+    backend: str = "auto"  # "triton" kernels, "torch" reference, or "auto": Triton on CUDA, torch elsewhere
+
+    def __post_init__(self):
+        for name in ("first_moment_format", "second_moment_format"):
+            object.__setattr__(self, name, get_format(getattr(self, name)).name)
+        _power_of_two("group_size", self.group_size, 2, 1024)
+        if not isinstance(self.dynamic_range_expansion, bool):
+            raise ValueError(f"dynamic_range_expansion must be a bool, got {self.dynamic_range_expansion!r}")
+        if not isinstance(self.min_quant_numel, int) or self.min_quant_numel < 0:
+            raise ValueError(f"min_quant_numel must be an int >= 0, got {self.min_quant_numel!r}")
+        if self.nonfinite not in _NONFINITE:
+            raise ValueError(f"nonfinite must be one of {_NONFINITE}, got {self.nonfinite!r}")
+        if self.backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {_BACKENDS}, got {self.backend!r}")
+
+
+@dataclass(frozen=True)
+class AdamWHyperparams:
+    """AdamW's hyper-parameters, checked as torch.optim.AdamW checks them."""
+
+    lr: float = 1e-3  # learning rate, >= 0
+    betas: tuple[float, float] = (0.9, 0.999)  # moment decay rates, each in [0, 1)
+    eps: float = 1e-8  # added to sqrt(v_hat), >= 0
+    weight_decay: float = 1e-2  # decoupled weight decay, >= 0
+
+    def __post_init__(self):
+        if not _real(self.lr) or self.lr < 0:
+            raise ValueError(f"lr must be a float >= 0, got {self.lr!r}")
+        betas = tuple(self.betas) if isinstance(self.betas, (tuple, list)) else None
+        if betas is None or len(betas) != 2 or not all(_real(b) and 0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"betas must be two floats in [0, 1), got {self.betas!r}")
+        object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
+        if not _real(self.eps) or self.eps < 0:
+            raise ValueError(f"eps must be a float >= 0, got {self.eps!r}")
+        if not _real(self.weight_decay) or self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be a float >= 0, got {self.weight_decay!r}")
+
+
+def _real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and abs(x) != float("inf")

@@ -1,0 +1,51 @@
+"""The one kernel library: Triton kernels and their pure-torch twins behind one interface.
+
+Code outside this package calls `get_ops(device, backend)` and never imports triton."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from . import reference
+from .fp8 import E4M3, E5M2, Fp8Format, get_format, triton_usable
+from .layout import AdamWHyper, AdamWSlot, GroupLayout, QuantizedGroups, group_layout
+
+__all__ = [
+    "get_ops",
+    "reference",
+    "E4M3",
+    "E5M2",
+    "Fp8Format",
+    "get_format",
+    "triton_usable",
+    "AdamWHyper",
+    "AdamWSlot",
+    "GroupLayout",
+    "QuantizedGroups",
+    "group_layout",
+]
+
+
+def _triton_ops() -> SimpleNamespace:
+    from . import adamw, quantize
+
+    return SimpleNamespace(name="triton", quantize_groups=quantize.quantize_groups,
+                           dequantize_groups=quantize.dequantize_groups, adamw_step=adamw.adamw_step)
+
+
+_TORCH_OPS = SimpleNamespace(name="torch", quantize_groups=reference.quantize_groups,
+                             dequantize_groups=reference.dequantize_groups, adamw_step=reference.adamw_step)
+
+
+def get_ops(device: torch.device, backend: str = "auto") -> SimpleNamespace:
+    """Kernels for tensors on `device`: "triton", "torch" (reference) or "auto" (Triton on
+    CUDA, the reference elsewhere; CPU tensors reach Triton only through backend="triton"
+    under TRITON_INTERPRET=1)."""
+    if backend == "torch" or (backend == "auto" and (device.type != "cuda" or not triton_usable(device))):
+        return _TORCH_OPS
+    if not triton_usable(device):
+        raise RuntimeError(
+            f"backend='triton' cannot run on {device.type} tensors"
+            + (" (set TRITON_INTERPRET=1 to use Triton's interpreter on CPU)" if device.type == "cpu" else ""))
+    return _triton_ops()

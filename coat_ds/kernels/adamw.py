@@ -1,0 +1,179 @@
+"""Fused multi-tensor AdamW step over FP8 (or FP32) moments.
+
+One launch covers every tensor of a bucket (same param dtype, grad dtype and step). Each
+program owns BG whole groups of one tensor, so per-group statistics, the DRE exponent and
+the scale are computed without leaving the program. Tensors are reached through a table of
+raw addresses; the table is cached and rebuilt (pinned host memory, async copy) only when an
+address changes, so a step neither synchronises with the host nor recompiles.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .codec import dequantize_tile, quantize_tile
+from .fp8 import K_ONE, get_format
+from .layout import AdamWHyper, AdamWSlot, QuantizedGroups, group_layout
+from .quantize import _group_offsets, tile_shape
+
+__all__ = ["adamw_step"]
+
+_TABLE_COLS = 16  # p, g, m codes/center/kcode/sexp, v codes/center/kcode/sexp, cols, n_groups, gpr
+_DTYPE_IDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+@triton.jit
+def _ptr(row, i, DTYPE_ID: tl.constexpr):
+    addr = tl.load(row + i)
+    if DTYPE_ID == 0:
+        return addr.to(tl.pointer_type(tl.float32))
+    elif DTYPE_ID == 1:
+        return addr.to(tl.pointer_type(tl.bfloat16))
+    elif DTYPE_ID == 2:
+        return addr.to(tl.pointer_type(tl.float16))
+    elif DTYPE_ID == 3:
+        return addr.to(tl.pointer_type(tl.uint8))
+    else:
+        return addr.to(tl.pointer_type(tl.int8))
+
+
+@triton.jit
+def _load_moment(row, base: tl.constexpr, offs, valid, gi, gmask, QUANT: tl.constexpr, FMT: tl.constexpr):
+    if QUANT:
+        codes = tl.load(_ptr(row, base, 3) + offs, mask=valid, other=0)
+        center = tl.load(_ptr(row, base + 1, 0) + gi, mask=gmask, other=1.0)
+        kcode = tl.load(_ptr(row, base + 2, 3) + gi, mask=gmask, other=16)
+        sexp = tl.load(_ptr(row, base + 3, 4) + gi, mask=gmask, other=0)
+        return dequantize_tile(codes, center, kcode, sexp, FMT)
+    else:
+        return tl.load(_ptr(row, base, 0) + offs, mask=valid, other=0.0)
+
+
+@triton.jit
+def _store_moment(row, base: tl.constexpr, new, offs, valid, gi, gmask,
+                  QUANT: tl.constexpr, FMT: tl.constexpr, DRE: tl.constexpr, DRE_KNUM: tl.constexpr):
+    if QUANT:
+        codes, center, kcode, sexp = quantize_tile(new, FMT, DRE, DRE_KNUM)
+        tl.store(_ptr(row, base, 3) + offs, codes, mask=valid)
+        tl.store(_ptr(row, base + 1, 0) + gi, center, mask=gmask)
+        tl.store(_ptr(row, base + 2, 3) + gi, kcode, mask=gmask)
+        tl.store(_ptr(row, base + 3, 4) + gi, sexp, mask=gmask)
+    else:
+        tl.store(_ptr(row, base, 0) + offs, new, mask=valid)
+
+
+@triton.jit
+def _adamw_kernel(table_ptr, blocks_ptr, skipped_ptr,
+                  beta1, beta2, eps, decay, step_size, bc2_sqrt,
+                  P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, QUANT: tl.constexpr,
+                  FMT_M: tl.constexpr, FMT_V: tl.constexpr, DRE: tl.constexpr,
+                  KNUM_M: tl.constexpr, KNUM_V: tl.constexpr,
+                  G: tl.constexpr, BG: tl.constexpr, TABLE_COLS: tl.constexpr):
+    pid = tl.program_id(0)
+    t = tl.load(blocks_ptr + 2 * pid).to(tl.int64)
+    g0 = tl.load(blocks_ptr + 2 * pid + 1).to(tl.int64)
+    row = table_ptr + t * TABLE_COLS
+    cols = tl.load(row + 10)
+    n_groups = tl.load(row + 11)
+    gpr = tl.load(row + 12)
+    gi = g0 + tl.arange(0, BG)
+    gmask = gi < n_groups
+    offs, valid = _group_offsets(gi, n_groups, cols, gpr, G)
+
+    p_ptr = _ptr(row, 0, P_DTYPE)
+    p = tl.load(p_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    g = tl.load(_ptr(row, 1, G_DTYPE) + offs, mask=valid, other=0.0).to(tl.float32)
+    m = _load_moment(row, 2, offs, valid, gi, gmask, QUANT, FMT_M)
+    v = _load_moment(row, 6, offs, valid, gi, gmask, QUANT, FMT_V)
+
+    m = beta1 * m + (1.0 - beta1) * g
+    v = beta2 * v + (1.0 - beta2) * (g * g)
+    # A group whose gradient or new moments are not finite keeps its old state.
+    finite = (tl.abs(g) < float("inf")) & (tl.abs(m) < float("inf")) & (v < float("inf"))
+    ok = tl.min(finite.to(tl.int32), axis=1) > 0
+    denom = tl.sqrt(v) / bc2_sqrt + eps
+    p_new = p * decay - step_size * (m / denom)
+
+    keep = valid & ok[:, None]
+    gkeep = gmask & ok
+    tl.store(p_ptr + offs, p_new.to(p_ptr.dtype.element_ty), mask=keep)
+    _store_moment(row, 2, m, offs, keep, gi, gkeep, QUANT, FMT_M, DRE, KNUM_M)
+    _store_moment(row, 6, v, offs, keep, gi, gkeep, QUANT, FMT_V, DRE, KNUM_V)
+    n_bad = tl.sum((gmask & ~ok).to(tl.int32), axis=0)
+    if n_bad > 0:
+        tl.atomic_add(skipped_ptr, n_bad.to(tl.int64))
+
+
+class _Plan:
+    """Device-side address table and program->(tensor, first group) map for one bucket."""
+
+    def __init__(self, slots: list[AdamWSlot], group_size: int, device: torch.device):
+        self.bg = tile_shape(group_size)
+        rows, blocks = [], []
+        for t, s in enumerate(slots):
+            lay = group_layout(s.param.shape, group_size)
+            rows.append(_addresses(s) + [lay.cols, lay.num_groups, lay.groups_per_row, 0, 0, 0])
+            blocks.extend((t, b) for b in range(0, lay.num_groups, self.bg))
+        self.key = _key(slots)
+        self.grid = len(blocks)
+        self.table = _to_device(rows, device)
+        self.blocks = _to_device(blocks or [(0, 0)], device, torch.int32)
+        self.shapes = [tuple(s.param.shape) for s in slots]
+
+
+def _addresses(s: AdamWSlot) -> list[int]:
+    out = [s.param.data_ptr(), s.grad.data_ptr()]
+    for mom in (s.exp_avg, s.exp_avg_sq):
+        if isinstance(mom, QuantizedGroups):
+            out.extend(x.data_ptr() for x in mom)
+        else:
+            out.extend([mom.data_ptr(), 0, 0, 0])
+    return out
+
+
+def _key(slots: list[AdamWSlot]) -> list[tuple[int, int]]:
+    # State tensors are the caller's and stay put (it drops the cache when it replaces
+    # them); parameters and gradients may move between steps.
+    return [(s.param.data_ptr(), s.grad.data_ptr()) for s in slots]
+
+
+def _to_device(rows, device, dtype=torch.int64) -> torch.Tensor:
+    if device.type == "cuda":
+        return torch.tensor(rows, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(rows, dtype=dtype, device=device)
+
+
+def adamw_step(slots: list[AdamWSlot], hyper: AdamWHyper, *, group_size: int = 128, fmt_m="e4m3",
+               fmt_v="e4m3", dre: bool = True, skipped: torch.Tensor | None = None,
+               plan_cache: dict | None = None) -> None:
+    """Triton twin of `reference.adamw_step`: one launch for all `slots`.
+
+    All slots share param dtype, grad dtype and moment kind (FP8 or FP32). `plan_cache`, a
+    dict owned by the caller, keeps the address table between steps; the caller clears it
+    whenever it replaces a state tensor."""
+    slots = [s for s in slots if s.param.numel()]
+    if not slots:
+        return
+    device = slots[0].param.device
+    for s in slots:
+        if not (s.param.is_contiguous() and s.grad.is_contiguous()):
+            raise ValueError("CoatAdamW's Triton step needs contiguous parameters and gradients")
+    quant = isinstance(slots[0].exp_avg, QuantizedGroups)
+    fm, fv = get_format(fmt_m), get_format(fmt_v)
+    cache_key = (quant, slots[0].param.dtype, slots[0].grad.dtype, len(slots))
+    plan = None if plan_cache is None else plan_cache.get(cache_key)
+    if plan is None or plan.key != _key(slots) or plan.shapes != [tuple(s.param.shape) for s in slots]:
+        plan = _Plan(slots, group_size, device)
+        if plan_cache is not None:
+            plan_cache[cache_key] = plan
+    if skipped is None:
+        skipped = torch.zeros((), dtype=torch.int64, device=device)
+    _adamw_kernel[(plan.grid,)](
+        plan.table, plan.blocks, skipped,
+        hyper.beta1, hyper.beta2, hyper.eps, 1.0 - hyper.lr * hyper.weight_decay, hyper.step_size,
+        hyper.bias_correction2_sqrt,
+        P_DTYPE=_DTYPE_IDS[slots[0].param.dtype], G_DTYPE=_DTYPE_IDS[slots[0].grad.dtype], QUANT=quant,
+        FMT_M=fm.id, FMT_V=fv.id, DRE=dre, KNUM_M=K_ONE * fm.dre_log2_range,
+        KNUM_V=K_ONE * fv.dre_log2_range, G=group_size, BG=plan.bg, TABLE_COLS=_TABLE_COLS,
+        num_warps=8)

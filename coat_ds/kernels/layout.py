@@ -1,0 +1,81 @@
+"""How a tensor is cut into quantization groups, shared by every kernel and its twin.
+
+Groups run along the last dimension and never cross a row: a tensor of shape (..., cols)
+is viewed as (rows, cols) and each row holds ceil(cols / G) groups, the last one possibly
+short. Per-group metadata therefore has shape (rows, groups_per_row), so it shards with the
+parameter along any leading dimension (FSDP's Shard(0)); a 1-D tensor (DeepSpeed's flat
+partition) is one row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["GroupLayout", "group_layout", "QuantizedGroups", "AdamWSlot", "AdamWHyper"]
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    rows: int
+    cols: int
+    group_size: int
+
+    @property
+    def groups_per_row(self) -> int:
+        return -(-self.cols // self.group_size) if self.cols else 0
+
+    @property
+    def num_groups(self) -> int:
+        return self.rows * self.groups_per_row
+
+    @property
+    def meta_shape(self) -> tuple[int, int]:
+        return (self.rows, self.groups_per_row)
+
+
+def group_layout(shape: torch.Size | tuple[int, ...], group_size: int) -> GroupLayout:
+    shape = tuple(shape)
+    cols = shape[-1] if shape else 1
+    numel = 1
+    for s in shape:
+        numel *= s
+    rows = numel // cols if cols else 0
+    return GroupLayout(rows, cols, group_size)
+
+
+class QuantizedGroups(NamedTuple):
+    """One FP8 tensor with per-group DRE metadata; x = sign(q) * (|q| * 2**sexp) ** (16/kcode) * center."""
+
+    codes: torch.Tensor  # uint8 FP8 bit patterns, the tensor's shape
+    center: torch.Tensor  # float32 (rows, groups_per_row): DRE centre c
+    kcode: torch.Tensor  # uint8 (rows, groups_per_row): DRE exponent k = kcode / 16
+    sexp: torch.Tensor  # int8 (rows, groups_per_row): power-of-two scale exponent
+
+
+class AdamWSlot(NamedTuple):
+    """One tensor's share of an AdamW step; m and v are FP32 tensors or QuantizedGroups."""
+
+    param: torch.Tensor
+    grad: torch.Tensor
+    exp_avg: "QuantizedGroups | torch.Tensor"
+    exp_avg_sq: "QuantizedGroups | torch.Tensor"
+
+
+class AdamWHyper(NamedTuple):
+    """Scalars of one AdamW step, computed on the host (no device sync, no recompile)."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    step_size: float  # lr / (1 - beta1 ** step)
+    bias_correction2_sqrt: float  # sqrt(1 - beta2 ** step)
+
+    @classmethod
+    def at_step(cls, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float):
+        bc1 = 1.0 - beta1**step
+        bc2 = 1.0 - beta2**step
+        return cls(lr, beta1, beta2, eps, weight_decay, lr / bc1, bc2**0.5)

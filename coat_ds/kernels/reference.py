@@ -1,0 +1,172 @@
+"""Pure-torch twins of every Triton kernel: the CPU path and the test oracle.
+
+Each function computes what its kernel computes, in the same order where it decides a
+result (exponent choice, centre, power-of-two scale), so the two agree to within one
+rounding of the last FP8 bit.
+"""
+from __future__ import annotations
+
+import torch
+
+from .fp8 import K_MAX_CODE, K_ONE, Fp8Format, get_format
+from .layout import AdamWHyper, AdamWSlot, QuantizedGroups, group_layout
+
+__all__ = [
+    "encode_fp8",
+    "decode_fp8",
+    "ceil_log2",
+    "pow2",
+    "quantize_groups",
+    "dequantize_groups",
+    "adamw_step",
+]
+
+
+def encode_fp8(x: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """Round-to-nearest-even, saturating FP8 encode of float32 `x`, as uint8 codes.
+
+    The sign bit is set only for x < 0, so -0.0 encodes as 0 as in the kernels."""
+    mag = x.abs().clamp_(max=fmt.max).to(fmt.dtype).view(torch.uint8)
+    return mag | ((x < 0).to(torch.uint8) << 7)
+
+
+def decode_fp8(codes: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    return codes.view(fmt.dtype).to(torch.float32)
+
+
+def ceil_log2(t: torch.Tensor) -> torch.Tensor:
+    """Exact ceil(log2(t)) for positive normal float32 `t`, read from its bits (int32)."""
+    bits = t.view(torch.int32)
+    return ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+
+
+def pow2(e: torch.Tensor) -> torch.Tensor:
+    """Exact 2**e as float32 for integer e in [-126, 127]."""
+    return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+def _div(num: float, den: torch.Tensor) -> torch.Tensor:
+    # `float / tensor` in torch multiplies by a reciprocal; the kernels divide exactly.
+    return torch.div(torch.full_like(den, num), den)
+
+
+def _grouped(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(rows, groups_per_row, G) view of `x` in its own dtype, zero-padded at row tails."""
+    lay = group_layout(x.shape, group_size)
+    x2 = x.reshape(lay.rows, lay.cols)
+    pad = lay.groups_per_row * group_size - lay.cols
+    if pad:
+        x2 = torch.cat([x2, x2.new_zeros(lay.rows, pad)], dim=1)
+    return x2.reshape(lay.rows, lay.groups_per_row, group_size)
+
+
+def _ungrouped(xg: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    cols = shape[-1] if len(shape) else 1
+    return xg.reshape(xg.shape[0], -1)[:, :cols].reshape(shape)
+
+
+def _quantize_grouped(xg: torch.Tensor, fmt: Fp8Format, dre: bool) -> QuantizedGroups:
+    a = xg.abs()
+    amax = a.amax(-1)
+    amin = torch.where(a > 0, a, float("inf")).amin(-1)
+    nonzero = amax > 0
+    if dre:
+        # k stretches (or, below 1, compresses) the group's range onto the format's.
+        log2r = torch.log2(amax) - torch.log2(amin)
+        kf = torch.floor(_div(K_ONE * fmt.dre_log2_range, log2r))
+        kf = torch.where(log2r > 0, kf, float(K_MAX_CODE)).clamp_(1, K_MAX_CODE)
+        center = torch.where(amax == amin, amax, torch.sqrt(amax) * torch.sqrt(amin))
+    else:
+        kf = torch.full_like(amax, K_ONE)
+        center = amax
+    kf = torch.where(nonzero, kf, float(K_ONE))
+    center = torch.where(nonzero, center, 1.0)
+    lc = torch.log2(center)
+    k = kf / K_ONE
+    y = torch.where(a > 0, torch.exp2(k[..., None] * (torch.log2(a) - lc[..., None])), 0.0)
+    ymax = torch.where(nonzero, y.amax(-1), 1.0)
+    sexp = torch.where(nonzero, ceil_log2(ymax / fmt.max), 0)
+    q = torch.clamp(y * pow2(-sexp)[..., None], max=fmt.max)
+    q = torch.where(xg < 0, -q, q)
+    return QuantizedGroups(encode_fp8(q, fmt), center, kf.to(torch.uint8), sexp.to(torch.int8))
+
+
+def _dequantize_grouped(qg: QuantizedGroups, fmt: Fp8Format) -> torch.Tensor:
+    q = decode_fp8(qg.codes, fmt)
+    y = q.abs() * pow2(qg.sexp)[..., None]
+    inv_k = _div(float(K_ONE), qg.kcode.to(torch.float32))
+    a = torch.exp2(torch.log2(y) * inv_k[..., None]) * qg.center[..., None]
+    return torch.where(q < 0, -a, a)
+
+
+def quantize_groups(x: torch.Tensor, group_size: int = 128, fmt="e4m3", dre: bool = True) -> QuantizedGroups:
+    """Per-group FP8 quantization along the last dim, with or without DRE.
+
+    A group stores codes q, a centre c, an exponent k and a power-of-two scale 2**e with
+    x = sign(q) * (|q| * 2**e) ** (1/k) * c. Zeros stay exact zeros and a group of equal
+    magnitudes decodes exactly (c is that magnitude). Without DRE, k = 1 and c = absmax."""
+    fmt = get_format(fmt)
+    qg = _quantize_grouped(_grouped(x, group_size).to(torch.float32), fmt, dre)
+    return qg._replace(codes=_ungrouped(qg.codes, x.shape).contiguous())
+
+
+def dequantize_groups(qg: QuantizedGroups, group_size: int = 128, fmt="e4m3",
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    fmt = get_format(fmt)
+    x = _dequantize_grouped(qg._replace(codes=_grouped(qg.codes, group_size)), fmt)
+    return _ungrouped(x, qg.codes.shape).to(dtype).contiguous()
+
+
+def _moment_in(state, group_size: int, fmt: Fp8Format) -> torch.Tensor:
+    if isinstance(state, QuantizedGroups):
+        return _dequantize_grouped(state._replace(codes=_grouped(state.codes, group_size)), fmt)
+    return _grouped(state, group_size).to(torch.float32)
+
+
+def _moment_out(state, new: torch.Tensor, ok: torch.Tensor, group_size: int, fmt: Fp8Format, dre: bool):
+    if isinstance(state, QuantizedGroups):
+        qn = _quantize_grouped(new, fmt, dre)
+        old_codes = _grouped(state.codes, group_size)
+        state.codes.copy_(_ungrouped(torch.where(ok[..., None], qn.codes, old_codes), state.codes.shape))
+        for dst, src in zip(state[1:], qn[1:]):
+            dst.copy_(torch.where(ok, src, dst))
+    else:
+        old = _grouped(state, group_size).to(torch.float32)
+        state.copy_(_ungrouped(torch.where(ok[..., None], new, old), state.shape))
+
+
+def adamw_step(
+    slots: list[AdamWSlot],
+    hyper: AdamWHyper,
+    *,
+    group_size: int = 128,
+    fmt_m="e4m3",
+    fmt_v="e4m3",
+    dre: bool = True,
+    skipped: torch.Tensor | None = None,
+    plan_cache: dict | None = None,
+) -> None:
+    """One AdamW step over `slots`, states updated in place.
+
+    A group (G consecutive elements of a row) whose gradient or new moments are not finite
+    is left untouched (parameter and both moments); their count is added to `skipped`.
+    `plan_cache` is accepted for signature parity with the Triton launcher and unused."""
+    fm, fv = get_format(fmt_m), get_format(fmt_v)
+    for slot in slots:
+        if slot.param.numel() == 0:
+            continue
+        p = _grouped(slot.param, group_size).to(torch.float32)
+        g = _grouped(slot.grad, group_size).to(torch.float32)
+        m = _moment_in(slot.exp_avg, group_size, fm)
+        v = _moment_in(slot.exp_avg_sq, group_size, fv)
+        m = hyper.beta1 * m + (1 - hyper.beta1) * g
+        v = hyper.beta2 * v + (1 - hyper.beta2) * (g * g)
+        ok = torch.isfinite(g).all(-1) & torch.isfinite(m).all(-1) & torch.isfinite(v).all(-1)
+        denom = torch.sqrt(v) / hyper.bias_correction2_sqrt + hyper.eps
+        p_new = p * (1 - hyper.lr * hyper.weight_decay) - hyper.step_size * (m / denom)
+        p_new = torch.where(ok[..., None], p_new, p)
+        slot.param.copy_(_ungrouped(p_new, slot.param.shape))
+        _moment_out(slot.exp_avg, m, ok, group_size, fm, dre)
+        _moment_out(slot.exp_avg_sq, v, ok, group_size, fv, dre)
+        if skipped is not None:
+            skipped += (~ok).sum().to(skipped.dtype)

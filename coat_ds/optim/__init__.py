@@ -1,0 +1,3 @@
+from .coat_adamw import CoatAdamW
+
+__all__ = ["CoatAdamW"]
