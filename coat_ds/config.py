@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from .kernels.fp8 import get_format
 
-__all__ = ["OptimStateConfig", "AdamWHyperparams"]
+__all__ = ["OptimStateConfig", "AdamWHyperparams", "ActivationConfig"]
 
 _BACKENDS = ("auto", "triton", "torch")
 _NONFINITE = ("skip", "raise")
@@ -66,3 +66,28 @@ class AdamWHyperparams:
 
 def _real(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and abs(x) != float("inf")
+
+
+@dataclass(frozen=True)
+class ActivationConfig:
+    """How `compress_activations` stores the tensors autograd saves for backward."""
+
+    linear_input_format: str = "e4m3"  # FP8 format of linear-layer inputs (per-tensor scale)
+    other_format: str = "e4m3"  # FP8 format of every other saved float (per-group scales)
+    group_size: int = 16  # elements per scaling group along the last (memory-contiguous) dim
+    per_tensor_linear_inputs: bool = True  # linear inputs get one scale per tensor (False: per group)
+    min_numel: int = 1024  # saved tensors with fewer elements are kept as they are
+    keep_region_leaf_inputs: bool = True  # region inputs without grad_fn (held by the caller) stay uncompressed
+    backend: str = "auto"  # "triton" kernels, "torch" reference, or "auto": Triton on CUDA, torch elsewhere
+
+    def __post_init__(self):
+        for name in ("linear_input_format", "other_format"):
+            object.__setattr__(self, name, get_format(getattr(self, name)).name)
+        _power_of_two("group_size", self.group_size, 2, 1024)
+        for name in ("per_tensor_linear_inputs", "keep_region_leaf_inputs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.min_numel, int) or isinstance(self.min_numel, bool) or self.min_numel < 0:
+            raise ValueError(f"min_numel must be an int >= 0, got {self.min_numel!r}")
+        if self.backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {_BACKENDS}, got {self.backend!r}")

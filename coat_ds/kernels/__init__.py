@@ -31,11 +31,13 @@ def _triton_ops() -> SimpleNamespace:
     from . import adamw, quantize
 
     return SimpleNamespace(name="triton", quantize_groups=quantize.quantize_groups,
-                           dequantize_groups=quantize.dequantize_groups, adamw_step=adamw.adamw_step)
+                           dequantize_groups=quantize.dequantize_groups, adamw_step=adamw.adamw_step,
+                           cast_fp8=quantize.cast_fp8)
 
 
 _TORCH_OPS = SimpleNamespace(name="torch", quantize_groups=reference.quantize_groups,
-                             dequantize_groups=reference.dequantize_groups, adamw_step=reference.adamw_step)
+                             dequantize_groups=reference.dequantize_groups, adamw_step=reference.adamw_step,
+                             cast_fp8=reference.cast_fp8)
 
 
 def get_ops(device: torch.device, backend: str = "auto") -> SimpleNamespace:

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .codec import dequantize_tile, quantize_tile
+from .codec import dequantize_tile, quantize_tile, round_to_bf16
 from .fp8 import K_ONE, get_format
 from .layout import AdamWHyper, AdamWSlot, QuantizedGroups, group_layout
 from .quantize import _group_offsets, tile_shape
@@ -24,43 +24,50 @@ _DTYPE_IDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 @triton.jit
-def _ptr(row, i, DTYPE_ID: tl.constexpr):
+def _ptr(row, i, DTYPE_ID: tl.constexpr, ALIGNED: tl.constexpr):
     addr = tl.load(row + i)
     if DTYPE_ID == 0:
-        return addr.to(tl.pointer_type(tl.float32))
+        ptr = addr.to(tl.pointer_type(tl.float32))
     elif DTYPE_ID == 1:
-        return addr.to(tl.pointer_type(tl.bfloat16))
+        ptr = addr.to(tl.pointer_type(tl.bfloat16))
     elif DTYPE_ID == 2:
-        return addr.to(tl.pointer_type(tl.float16))
+        ptr = addr.to(tl.pointer_type(tl.float16))
     elif DTYPE_ID == 3:
-        return addr.to(tl.pointer_type(tl.uint8))
+        ptr = addr.to(tl.pointer_type(tl.uint8))
     else:
-        return addr.to(tl.pointer_type(tl.int8))
+        ptr = addr.to(tl.pointer_type(tl.int8))
+    if ALIGNED:
+        # Addresses read from memory carry no alignment facts; without this hint every
+        # access would be one element wide.
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
 
 
 @triton.jit
-def _load_moment(row, base: tl.constexpr, offs, valid, gi, gmask, QUANT: tl.constexpr, FMT: tl.constexpr):
+def _load_moment(row, base: tl.constexpr, offs, valid, gi, gmask, QUANT: tl.constexpr, FMT: tl.constexpr,
+                 ALIGNED: tl.constexpr):
     if QUANT:
-        codes = tl.load(_ptr(row, base, 3) + offs, mask=valid, other=0)
-        center = tl.load(_ptr(row, base + 1, 0) + gi, mask=gmask, other=1.0)
-        kcode = tl.load(_ptr(row, base + 2, 3) + gi, mask=gmask, other=16)
-        sexp = tl.load(_ptr(row, base + 3, 4) + gi, mask=gmask, other=0)
+        codes = tl.load(_ptr(row, base, 3, ALIGNED) + offs, mask=valid, other=0)
+        center = tl.load(_ptr(row, base + 1, 0, ALIGNED) + gi, mask=gmask, other=1.0)
+        kcode = tl.load(_ptr(row, base + 2, 3, ALIGNED) + gi, mask=gmask, other=16)
+        sexp = tl.load(_ptr(row, base + 3, 4, ALIGNED) + gi, mask=gmask, other=0)
         return dequantize_tile(codes, center, kcode, sexp, FMT)
     else:
-        return tl.load(_ptr(row, base, 0) + offs, mask=valid, other=0.0)
+        return tl.load(_ptr(row, base, 0, ALIGNED) + offs, mask=valid, other=0.0)
 
 
 @triton.jit
 def _store_moment(row, base: tl.constexpr, new, offs, valid, gi, gmask,
-                  QUANT: tl.constexpr, FMT: tl.constexpr, DRE: tl.constexpr, DRE_KNUM: tl.constexpr):
+                  QUANT: tl.constexpr, FMT: tl.constexpr, DRE: tl.constexpr, DRE_KNUM: tl.constexpr,
+                  ALIGNED: tl.constexpr):
     if QUANT:
         codes, center, kcode, sexp = quantize_tile(new, FMT, DRE, DRE_KNUM)
-        tl.store(_ptr(row, base, 3) + offs, codes, mask=valid)
-        tl.store(_ptr(row, base + 1, 0) + gi, center, mask=gmask)
-        tl.store(_ptr(row, base + 2, 3) + gi, kcode, mask=gmask)
-        tl.store(_ptr(row, base + 3, 4) + gi, sexp, mask=gmask)
+        tl.store(_ptr(row, base, 3, ALIGNED) + offs, codes, mask=valid)
+        tl.store(_ptr(row, base + 1, 0, ALIGNED) + gi, center, mask=gmask)
+        tl.store(_ptr(row, base + 2, 3, ALIGNED) + gi, kcode, mask=gmask)
+        tl.store(_ptr(row, base + 3, 4, ALIGNED) + gi, sexp, mask=gmask)
     else:
-        tl.store(_ptr(row, base, 0) + offs, new, mask=valid)
+        tl.store(_ptr(row, base, 0, ALIGNED) + offs, new, mask=valid)
 
 
 @triton.jit
@@ -69,23 +76,23 @@ def _adamw_kernel(table_ptr, blocks_ptr, skipped_ptr,
                   P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, QUANT: tl.constexpr,
                   FMT_M: tl.constexpr, FMT_V: tl.constexpr, DRE: tl.constexpr,
                   KNUM_M: tl.constexpr, KNUM_V: tl.constexpr,
-                  G: tl.constexpr, BG: tl.constexpr, TABLE_COLS: tl.constexpr):
+                  G: tl.constexpr, BG: tl.constexpr, TABLE_COLS: tl.constexpr, ALIGNED: tl.constexpr):
     pid = tl.program_id(0)
     t = tl.load(blocks_ptr + 2 * pid).to(tl.int64)
-    g0 = tl.load(blocks_ptr + 2 * pid + 1).to(tl.int64)
+    g0 = tl.load(blocks_ptr + 2 * pid + 1)
     row = table_ptr + t * TABLE_COLS
     cols = tl.load(row + 10)
-    n_groups = tl.load(row + 11)
-    gpr = tl.load(row + 12)
+    n_groups = tl.load(row + 11).to(tl.int32)
+    gpr = tl.load(row + 12).to(tl.int32)
     gi = g0 + tl.arange(0, BG)
     gmask = gi < n_groups
-    offs, valid = _group_offsets(gi, n_groups, cols, gpr, G)
+    offs, valid = _group_offsets(gi, n_groups, cols, gpr, G, ALIGNED)
 
-    p_ptr = _ptr(row, 0, P_DTYPE)
+    p_ptr = _ptr(row, 0, P_DTYPE, ALIGNED)
     p = tl.load(p_ptr + offs, mask=valid, other=0.0).to(tl.float32)
-    g = tl.load(_ptr(row, 1, G_DTYPE) + offs, mask=valid, other=0.0).to(tl.float32)
-    m = _load_moment(row, 2, offs, valid, gi, gmask, QUANT, FMT_M)
-    v = _load_moment(row, 6, offs, valid, gi, gmask, QUANT, FMT_V)
+    g = tl.load(_ptr(row, 1, G_DTYPE, ALIGNED) + offs, mask=valid, other=0.0).to(tl.float32)
+    m = _load_moment(row, 2, offs, valid, gi, gmask, QUANT, FMT_M, ALIGNED)
+    v = _load_moment(row, 6, offs, valid, gi, gmask, QUANT, FMT_V, ALIGNED)
 
     m = beta1 * m + (1.0 - beta1) * g
     v = beta2 * v + (1.0 - beta2) * (g * g)
@@ -95,11 +102,13 @@ def _adamw_kernel(table_ptr, blocks_ptr, skipped_ptr,
     denom = tl.sqrt(v) / bc2_sqrt + eps
     p_new = p * decay - step_size * (m / denom)
 
+    if P_DTYPE == 1:
+        p_new = round_to_bf16(p_new)
     keep = valid & ok[:, None]
     gkeep = gmask & ok
     tl.store(p_ptr + offs, p_new.to(p_ptr.dtype.element_ty), mask=keep)
-    _store_moment(row, 2, m, offs, keep, gi, gkeep, QUANT, FMT_M, DRE, KNUM_M)
-    _store_moment(row, 6, v, offs, keep, gi, gkeep, QUANT, FMT_V, DRE, KNUM_V)
+    _store_moment(row, 2, m, offs, keep, gi, gkeep, QUANT, FMT_M, DRE, KNUM_M, ALIGNED)
+    _store_moment(row, 6, v, offs, keep, gi, gkeep, QUANT, FMT_V, DRE, KNUM_V, ALIGNED)
     n_bad = tl.sum((gmask & ~ok).to(tl.int32), axis=0)
     if n_bad > 0:
         tl.atomic_add(skipped_ptr, n_bad.to(tl.int64))
@@ -116,6 +125,8 @@ class _Plan:
             rows.append(_addresses(s) + [lay.cols, lay.num_groups, lay.groups_per_row, 0, 0, 0])
             blocks.extend((t, b) for b in range(0, lay.num_groups, self.bg))
         self.key = _key(slots)
+        # 16-byte vector access needs every row start and every base address aligned.
+        self.aligned = all(r[10] % 16 == 0 and all(a % 16 == 0 for a in r[:10]) for r in rows)
         self.grid = len(blocks)
         self.table = _to_device(rows, device)
         self.blocks = _to_device(blocks or [(0, 0)], device, torch.int32)
@@ -175,5 +186,5 @@ def adamw_step(slots: list[AdamWSlot], hyper: AdamWHyper, *, group_size: int = 1
         hyper.bias_correction2_sqrt,
         P_DTYPE=_DTYPE_IDS[slots[0].param.dtype], G_DTYPE=_DTYPE_IDS[slots[0].grad.dtype], QUANT=quant,
         FMT_M=fm.id, FMT_V=fv.id, DRE=dre, KNUM_M=K_ONE * fm.dre_log2_range,
-        KNUM_V=K_ONE * fv.dre_log2_range, G=group_size, BG=plan.bg, TABLE_COLS=_TABLE_COLS,
+        KNUM_V=K_ONE * fv.dre_log2_range, G=group_size, BG=plan.bg, TABLE_COLS=_TABLE_COLS, ALIGNED=plan.aligned,
         num_warps=8)

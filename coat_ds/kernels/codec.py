@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 @triton.jit
-def _fmt_max(FMT: tl.constexpr):
+def fmt_max(FMT: tl.constexpr):
     if FMT == 0:
         return 448.0
     else:
@@ -64,6 +64,16 @@ def decode_fp8(code, FMT: tl.constexpr):
 
 
 @triton.jit
+def round_to_bf16(x):
+    """float32 rounded to the nearest bfloat16 value (ties to even), still as float32.
+
+    The interpreter truncates in `.to(tl.bfloat16)`; after this the cast is exact."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def pow2(e):
     """Exact 2**e (float32) for int32 e in [-126, 127]."""
     return ((e + 127) << 23).to(tl.float32, bitcast=True)
@@ -93,19 +103,23 @@ def quantize_tile(x, FMT: tl.constexpr, DRE: tl.constexpr, DRE_KNUM: tl.constexp
     k = kf * 0.0625
     y = tl.where(a > 0, tl.exp2(k[:, None] * (tl.log2(a) - lc[:, None])), 0.0)
     ymax = tl.where(nonzero, tl.max(y, axis=1), 1.0)
-    tbits = (ymax / _fmt_max(FMT)).to(tl.int32, bitcast=True)
+    tbits = (ymax / fmt_max(FMT)).to(tl.int32, bitcast=True)
     sexp = ((tbits >> 23) & 0xFF) - 127 + ((tbits & 0x7FFFFF) != 0).to(tl.int32)
     sexp = tl.where(nonzero, sexp, 0)
-    q = tl.minimum(y * pow2(-sexp)[:, None], _fmt_max(FMT))
+    q = tl.minimum(y * pow2(-sexp)[:, None], fmt_max(FMT))
     q = tl.where(x < 0, -q, q)
     return encode_fp8(q, FMT), center, kf.to(tl.uint8), sexp.to(tl.int8)
 
 
 @triton.jit
 def dequantize_tile(codes, center, kcode, sexp, FMT: tl.constexpr):
-    """Inverse of quantize_tile on a [groups, G] tile of codes."""
+    """Inverse of quantize_tile on a [groups, G] tile of codes.
+
+    |x| = 2 ** (log2(|q| * 2**e) / k + log2(c)): summing logs cannot overflow where a
+    product of y ** (1/k) and c could; y == 1 (a constant group) returns c itself, exactly."""
     q = decode_fp8(codes, FMT)
     y = tl.abs(q) * pow2(sexp.to(tl.int32))[:, None]
-    inv_k = 16.0 / kcode.to(tl.float32)
-    a = tl.exp2(tl.log2(y) * inv_k[:, None]) * center[:, None]
+    t = tl.log2(y) * (16.0 / kcode.to(tl.float32))[:, None]
+    a = tl.where(t == 0.0, center[:, None], tl.exp2(t + tl.log2(center)[:, None]))
+    a = tl.minimum(a, 3.4028234663852886e38)
     return tl.where(q < 0, -a, a)

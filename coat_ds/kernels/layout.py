@@ -53,6 +53,9 @@ class QuantizedGroups(NamedTuple):
     kcode: torch.Tensor  # uint8 (rows, groups_per_row): DRE exponent k = kcode / 16
     sexp: torch.Tensor  # int8 (rows, groups_per_row): power-of-two scale exponent
 
+    def to(self, device) -> "QuantizedGroups":
+        return QuantizedGroups(*(t.to(device) for t in self))
+
 
 class AdamWSlot(NamedTuple):
     """One tensor's share of an AdamW step; m and v are FP32 tensors or QuantizedGroups."""

@@ -1,15 +1,16 @@
-"""Per-group FP8 quantize / dequantize kernels (with or without DRE) and their launchers."""
+"""Per-group FP8 quantize / dequantize kernels (with or without DRE), a plain FP8 cast, and
+their launchers."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from .codec import dequantize_tile, quantize_tile
+from .codec import fmt_max, decode_fp8, dequantize_tile, encode_fp8, quantize_tile
 from .fp8 import K_ONE, get_format
 from .layout import QuantizedGroups, group_layout
 
-__all__ = ["quantize_groups", "dequantize_groups", "tile_shape"]
+__all__ = ["quantize_groups", "dequantize_groups", "cast_fp8", "tile_shape"]
 
 # Elements one program handles. Interpreter cost grows with program count, GPU cost wants
 # a few thousand elements in flight per program.
@@ -22,23 +23,31 @@ def tile_shape(group_size: int) -> int:
 
 
 @triton.jit
-def _group_offsets(gi, n_groups, cols, gpr, G: tl.constexpr):
-    """Element offsets [BG, G] and validity of groups `gi` in a (rows, cols) tensor."""
+def _group_offsets(gi, n_groups, cols, gpr, G: tl.constexpr, ALIGNED: tl.constexpr):
+    """Element offsets [BG, G] and validity of groups `gi` (int32) in a (rows, cols) tensor.
+
+    ALIGNED promises cols % 16 == 0 (and 16-byte-aligned bases), which lets loads and
+    stores be 16 bytes wide: the row-tail mask is then constant over runs of 16 lanes, and
+    it is written so that Triton's alignment analysis can see that."""
     row = gi // gpr
     col0 = (gi - row * gpr) * G
     lane = tl.arange(0, G)
-    cols_ok = (col0[:, None] + lane[None, :]) < cols
-    valid = (gi < n_groups)[:, None] & cols_ok
-    offs = row.to(tl.int64)[:, None] * cols + col0[:, None] + lane[None, :]
-    return offs, valid
+    base = row.to(tl.int64) * cols + col0
+    if ALIGNED:
+        base = tl.multiple_of(base, 16)
+        lane_run = (lane // 16) * 16
+    else:
+        lane_run = lane
+    valid = (gi < n_groups)[:, None] & ((col0[:, None] + lane_run[None, :]) < cols)
+    return base[:, None] + lane[None, :], valid
 
 
 @triton.jit
 def _quantize_groups_kernel(x_ptr, codes_ptr, center_ptr, kcode_ptr, sexp_ptr, n_groups, cols, gpr,
                             FMT: tl.constexpr, DRE: tl.constexpr, DRE_KNUM: tl.constexpr,
                             G: tl.constexpr, BG: tl.constexpr):
-    gi = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
-    offs, valid = _group_offsets(gi, n_groups, cols, gpr, G)
+    gi = tl.program_id(0) * BG + tl.arange(0, BG)
+    offs, valid = _group_offsets(gi, n_groups, cols, gpr, G, False)
     x = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
     codes, center, kcode, sexp = quantize_tile(x, FMT, DRE, DRE_KNUM)
     tl.store(codes_ptr + offs, codes, mask=valid)
@@ -51,8 +60,8 @@ def _quantize_groups_kernel(x_ptr, codes_ptr, center_ptr, kcode_ptr, sexp_ptr, n
 @triton.jit
 def _dequantize_groups_kernel(codes_ptr, center_ptr, kcode_ptr, sexp_ptr, out_ptr, n_groups, cols, gpr,
                               FMT: tl.constexpr, G: tl.constexpr, BG: tl.constexpr):
-    gi = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
-    offs, valid = _group_offsets(gi, n_groups, cols, gpr, G)
+    gi = tl.program_id(0) * BG + tl.arange(0, BG)
+    offs, valid = _group_offsets(gi, n_groups, cols, gpr, G, False)
     gmask = gi < n_groups
     codes = tl.load(codes_ptr + offs, mask=valid, other=0)
     center = tl.load(center_ptr + gi, mask=gmask, other=1.0)
@@ -93,3 +102,26 @@ def dequantize_groups(qg: QuantizedGroups, group_size: int = 128, fmt="e4m3",
             qg.codes.contiguous(), qg.center, qg.kcode, qg.sexp, out, lay.num_groups, lay.cols,
             lay.groups_per_row, FMT=f.id, G=group_size, BG=bg)
     return out
+
+
+@triton.jit
+def _cast_fp8_kernel(x_ptr, codes_ptr, out_ptr, n, FMT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    codes = encode_fp8(tl.minimum(tl.maximum(x, -fmt_max(FMT)), fmt_max(FMT)), FMT)
+    tl.store(codes_ptr + offs, codes, mask=mask)
+    tl.store(out_ptr + offs, decode_fp8(codes, FMT), mask=mask)
+
+
+def cast_fp8(x: torch.Tensor, fmt="e4m3") -> tuple[torch.Tensor, torch.Tensor]:
+    """Saturating RNE cast to FP8: (uint8 codes, their float32 values). Twin of
+    `reference.encode_fp8` / `reference.decode_fp8`."""
+    f = get_format(fmt)
+    x = x.contiguous()
+    codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    if x.numel():
+        _cast_fp8_kernel[(triton.cdiv(x.numel(), _BLOCK_ELEMS),)](x, codes, out, x.numel(), FMT=f.id,
+                                                                  BLOCK=_BLOCK_ELEMS)
+    return codes, out

@@ -14,11 +14,17 @@ from .layout import AdamWHyper, AdamWSlot, QuantizedGroups, group_layout
 __all__ = [
     "encode_fp8",
     "decode_fp8",
+    "cast_fp8",
     "ceil_log2",
     "pow2",
     "quantize_groups",
     "dequantize_groups",
     "adamw_step",
+    "act_scale_exponent",
+    "act_quantize_tensor",
+    "act_dequantize_tensor",
+    "act_quantize_rows",
+    "act_dequantize_rows",
 ]
 
 
@@ -32,6 +38,13 @@ def encode_fp8(x: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
 
 def decode_fp8(codes: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     return codes.view(fmt.dtype).to(torch.float32)
+
+
+def cast_fp8(x: torch.Tensor, fmt="e4m3") -> tuple[torch.Tensor, torch.Tensor]:
+    """Saturating RNE cast to FP8: (uint8 codes, their float32 values)."""
+    f = get_format(fmt)
+    codes = encode_fp8(x.to(torch.float32), f)
+    return codes, decode_fp8(codes, f)
 
 
 def ceil_log2(t: torch.Tensor) -> torch.Tensor:
@@ -94,8 +107,11 @@ def _quantize_grouped(xg: torch.Tensor, fmt: Fp8Format, dre: bool) -> QuantizedG
 def _dequantize_grouped(qg: QuantizedGroups, fmt: Fp8Format) -> torch.Tensor:
     q = decode_fp8(qg.codes, fmt)
     y = q.abs() * pow2(qg.sexp)[..., None]
-    inv_k = _div(float(K_ONE), qg.kcode.to(torch.float32))
-    a = torch.exp2(torch.log2(y) * inv_k[..., None]) * qg.center[..., None]
+    t = torch.log2(y) * _div(float(K_ONE), qg.kcode.to(torch.float32))[..., None]
+    center = qg.center[..., None].expand_as(t)
+    # Sum logs rather than multiply (no overflow); y == 1 returns the centre exactly.
+    a = torch.where(t == 0, center, torch.exp2(t + torch.log2(center)))
+    a = a.clamp_(max=torch.finfo(torch.float32).max)
     return torch.where(q < 0, -a, a)
 
 
@@ -170,3 +186,50 @@ def adamw_step(
         _moment_out(slot.exp_avg_sq, v, ok, group_size, fv, dre)
         if skipped is not None:
             skipped += (~ok).sum().to(skipped.dtype)
+
+
+# ---- Activation quantization: twins of kernels/act_quant.py -------------------------------
+
+
+def act_scale_exponent(amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """Smallest e with amax * 2**-e <= fmt.max, clamped to [-126, 126] (int32), read from
+    amax's bits: both formats' maxima are 1.75 * 2**E."""
+    emax = 8 if fmt.name == "e4m3" else 15
+    bits = amax.to(torch.float32).contiguous().view(torch.int32)
+    e = ((bits >> 23) & 0xFF) - 127 - emax + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
+    return e.clamp_(-126, 126)
+
+
+def _act_decode(codes: torch.Tensor, e: torch.Tensor, fmt: Fp8Format, dtype: torch.dtype) -> torch.Tensor:
+    out_max = torch.finfo(dtype).max
+    return (decode_fp8(codes, fmt) * pow2(e)).clamp_(-out_max, out_max).to(dtype)
+
+
+def act_quantize_tensor(x: torch.Tensor, fmt="e4m3") -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor FP8 with a power-of-two scale: (uint8 codes, int32 exponent e of shape ())."""
+    fmt = get_format(fmt)
+    xf = x.to(torch.float32)
+    amax = xf.abs().amax() if x.numel() else xf.new_zeros(())
+    e = act_scale_exponent(amax, fmt)
+    return encode_fp8(xf * pow2(-e), fmt), e
+
+
+def act_dequantize_tensor(codes: torch.Tensor, exp: torch.Tensor, fmt="e4m3",
+                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return _act_decode(codes, exp, get_format(fmt), dtype)
+
+
+def act_quantize_rows(x: torch.Tensor, group_size: int = 16, fmt="e4m3") -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group FP8 along the last dim, one power-of-two scale per group:
+    (uint8 codes shaped like x, int8 exponents of shape (rows, ceil(cols / G)))."""
+    fmt = get_format(fmt)
+    xg = _grouped(x, group_size).to(torch.float32)
+    e = act_scale_exponent(xg.abs().amax(-1), fmt)
+    codes = encode_fp8(xg * pow2(-e)[..., None], fmt)
+    return _ungrouped(codes, x.shape).contiguous(), e.to(torch.int8)
+
+
+def act_dequantize_rows(codes: torch.Tensor, exps: torch.Tensor, group_size: int = 16, fmt="e4m3",
+                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    x = _act_decode(_grouped(codes, group_size), exps.to(torch.int32)[..., None], get_format(fmt), torch.float32)
+    return _ungrouped(x, codes.shape).to(dtype).contiguous()

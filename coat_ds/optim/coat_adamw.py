@@ -9,6 +9,7 @@ from torch.distributed.tensor import DTensor
 
 from ..config import AdamWHyperparams, OptimStateConfig
 from ..kernels import AdamWHyper, AdamWSlot, get_ops
+from . import sharded
 from . import state as st
 
 __all__ = ["CoatAdamW"]
@@ -88,7 +89,7 @@ class CoatAdamW(torch.optim.Optimizer):
                     raise ValueError(f"CoatAdamW needs float32/bfloat16/float16 parameters, got {local.dtype}")
                 state = self.state[p]
                 if not state:
-                    state.update(st.init_state(local, p.numel() >= cfg.min_quant_numel, cfg))
+                    state.update(st.init_state(local, sharded.global_numel(p) >= cfg.min_quant_numel, cfg))
                 state["step"] += 1
                 slot = AdamWSlot(local, grad.contiguous(), st.moment(state, "exp_avg"),
                                  st.moment(state, "exp_avg_sq"))
@@ -133,29 +134,55 @@ class CoatAdamW(torch.optim.Optimizer):
 
     # -- checkpoints ----------------------------------------------------------------------
 
+    def _config_of(self) -> dict[int, OptimStateConfig]:
+        return {id(p): self._validate(g)[1] for g in self.param_groups for p in g["params"]}
+
+    def state_dict(self) -> dict:
+        """As torch's; for DTensor (FSDP2) parameters every shaped state tensor is a DTensor
+        on the parameter's mesh (views of the live state, see `optim/sharded.py`), so
+        `torch.distributed.checkpoint` saves each rank's shard and can reshard on load."""
+        sd = super().state_dict()
+        cfg_of = self._config_of()
+        params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
+        for pid, p in zip(itertools.chain.from_iterable(g["params"] for g in sd["param_groups"]), params):
+            if isinstance(p, DTensor) and pid in sd["state"]:
+                sd["state"][pid] = sharded.to_dtensor_state(sd["state"][pid], p, cfg_of[id(p)])
+        return sd
+
     def load_state_dict(self, state_dict: dict) -> None:
         """As torch's, but state tensors keep their dtypes (FP8 codes stay uint8, metadata
-        and FP32 moments stay float32) and only move to the parameter's device."""
+        and FP32 moments stay float32) and only move to the parameter's device. DTensor
+        state (from `state_dict()` of a sharded optimizer, possibly resharded by DCP) is
+        taken as this rank's local shard."""
         saved = state_dict["state"]
         super().load_state_dict({**state_dict, "state": {}})
+        cfg_of = self._config_of()
         saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
         for pid, p in zip(saved_ids, params):
             if pid not in saved:
                 continue
+            entry = saved[pid]
+            if isinstance(p, DTensor):
+                entry = sharded.from_dtensor_state(entry, p, cfg_of[id(p)])
             device = _local(p).device
             self.state[p] = {k: (v.detach().clone().cpu() if k == "step" else v.detach().to(device, copy=True))
-                             if torch.is_tensor(v) else v for k, v in saved[pid].items()}
+                             if torch.is_tensor(v) else v for k, v in entry.items()}
         self._plan_cache.clear()
 
     def fp32_state_dict(self) -> dict:
-        """This optimizer's state in torch.optim.AdamW's layout (FP32 exp_avg/exp_avg_sq)."""
+        """This optimizer's state in torch.optim.AdamW's layout (FP32 exp_avg/exp_avg_sq);
+        DTensors like the parameter for DTensor parameters."""
         sd = self.state_dict()
         by_id = dict(zip(itertools.chain.from_iterable(g["params"] for g in sd["param_groups"]),
                          itertools.chain.from_iterable(g["params"] for g in self.param_groups)))
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         sd["state"] = {pid: st.to_fp32(self.state[p], self._validate(group_of[id(p)])[1])
                        for pid, p in by_id.items() if self.state.get(p)}
+        for pid, p in by_id.items():
+            if isinstance(p, DTensor) and pid in sd["state"]:
+                sd["state"][pid] = {k: sharded.wrap_like(v, p) if k in st.MOMENTS else v
+                                    for k, v in sd["state"][pid].items()}
         return sd
 
     def load_fp32_state_dict(self, state_dict: dict) -> None:
@@ -168,6 +195,7 @@ class CoatAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 pid = next(saved_ids)
                 if pid in state_dict["state"]:
-                    quant = p.numel() >= cfg.min_quant_numel
-                    self.state[p] = st.from_fp32(state_dict["state"][pid], _local(p), quant, cfg)
+                    quant = sharded.global_numel(p) >= cfg.min_quant_numel
+                    fp32 = sharded.local_fp32_state(state_dict["state"][pid])
+                    self.state[p] = st.from_fp32(fp32, _local(p), quant, cfg)
         self._plan_cache.clear()

@@ -1,0 +1,127 @@
+"""`compress_activations`: put the saved-tensor hooks around chosen modules of a model."""
+from __future__ import annotations
+
+import weakref
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..config import ActivationConfig
+from .accounting import ActivationStats
+from .hooks import COMPILE_MESSAGE, SavedTensorCompressor
+
+__all__ = ["compress_activations", "ActivationCompression", "activation_stats"]
+
+_HANDLES: "weakref.WeakKeyDictionary[nn.Module, ActivationCompression]" = weakref.WeakKeyDictionary()
+
+
+def _inside_checkpoint_or_backward() -> bool:
+    """True where our hooks must step aside.
+
+    In backward (reentrant checkpoint's recomputation, or non-reentrant's inside its unpack
+    hook) the recomputed tensors are used at once, so compressing them only costs time and,
+    for non-reentrant checkpoint, would hide them from its recomputation hooks. Under the
+    forward of a non-reentrant checkpoint, its hooks store nothing but placeholders, which
+    beats any FP8 copy; ours, pushed above them, would take over and defeat the checkpoint."""
+    if torch._C._current_graph_task_id() != -1:
+        return True
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top is not None and getattr(top[0], "__module__", "") == "torch.utils.checkpoint"
+
+
+class ActivationCompression:
+    """The handle `compress_activations` returns: statistics, pause, removal."""
+
+    def __init__(self, model: nn.Module, regions: list[tuple[str, nn.Module]], config: ActivationConfig):
+        self.config = config
+        self._model = weakref.ref(model)
+        self.compressor = SavedTensorCompressor(config)
+        self.regions = [fqn for fqn, _ in regions]
+        self.enabled = True
+        self._contexts: list = []
+        self._handles = []
+        linears = {}
+        for _, region in regions:
+            self._handles.append(region.register_forward_pre_hook(self._enter, with_kwargs=True))
+            self._handles.append(region.register_forward_hook(self._exit, with_kwargs=True, always_call=True))
+            linears.update({id(m): m for m in region.modules() if isinstance(m, nn.Linear)})
+        for m in linears.values():
+            self._handles.append(m.register_forward_pre_hook(self._linear_input))
+
+    def _enter(self, module: nn.Module, args, kwargs):
+        if torch.compiler.is_compiling():
+            raise RuntimeError(COMPILE_MESSAGE)
+        if not (self.enabled and torch.is_grad_enabled()) or _inside_checkpoint_or_backward():
+            self._contexts.append(None)
+            return
+        comp = self.compressor
+        if self.config.keep_region_leaf_inputs:
+            for a in (*args, *kwargs.values()):
+                for t in (a if isinstance(a, (tuple, list)) else (a,)):
+                    if isinstance(t, torch.Tensor) and t.grad_fn is None:
+                        comp.note_alive_anyway(t)
+        for b in module.buffers():
+            comp.note_alive_anyway(b)
+        ctx = torch.autograd.graph.saved_tensors_hooks(comp.pack, comp.unpack)
+        ctx.__enter__()
+        self._contexts.append(ctx)
+
+    def _exit(self, module, args, kwargs, output):
+        ctx = self._contexts.pop() if self._contexts else None
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+
+    def _linear_input(self, module, args):
+        if self._contexts and self._contexts[-1] is not None and args:
+            self.compressor.note_linear_input(args[0])
+
+    def stats(self) -> ActivationStats:
+        """Bytes saved for backward since the last `reset_stats()`, with and without compression."""
+        return self.compressor.ledger.stats()
+
+    def reset_stats(self) -> None:
+        """Start a new accounting period (call once per optimizer step)."""
+        self.compressor.ledger.reset()
+
+    def remove(self) -> None:
+        """Take every hook off; tensors already compressed still restore in backward."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        model = self._model()
+        if model is not None and _HANDLES.get(model) is self:
+            del _HANDLES[model]
+
+
+def compress_activations(model: nn.Module, *, config: ActivationConfig | None = None,
+                         module_filter_fn: Callable[[nn.Module, str], bool] | None = None) -> ActivationCompression:
+    """Store what autograd saves for backward inside `model` (or the modules that
+    `module_filter_fn(module, fqn)` selects; default: the whole model) in FP8.
+
+    Hooks are registered on the modules, so the model trains as before: wrap before or after
+    FSDP2's `fully_shard`, with or without activation checkpointing. Selected modules nested
+    in another selected module are covered by the outer one. Returns a handle for stats."""
+    config = config if config is not None else ActivationConfig()
+    if not isinstance(config, ActivationConfig):
+        raise TypeError(f"config must be an ActivationConfig, got {type(config).__name__}")
+    if model in _HANDLES:
+        raise RuntimeError("compress_activations was already applied to this model; call .remove() on its handle first")
+    chosen = module_filter_fn or (lambda m, fqn: fqn == "")
+    regions: list[tuple[str, nn.Module]] = []
+    for fqn, m in model.named_modules():
+        if any(fqn.startswith(r + ".") or r == "" for r, _ in regions):
+            continue
+        if chosen(m, fqn):
+            regions.append((fqn, m))
+    if not regions:
+        raise ValueError("module_filter_fn selected no module")
+    handle = ActivationCompression(model, regions, config)
+    _HANDLES[model] = handle
+    return handle
+
+
+def activation_stats(model: nn.Module) -> ActivationStats | None:
+    """The stats of the compression applied to `model`, or None (for the memory profiler)."""
+    handle = _HANDLES.get(model)
+    return handle.stats() if handle is not None else None

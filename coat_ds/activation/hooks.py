@@ -1,0 +1,119 @@
+"""The saved-tensor hooks: what to store in FP8, at which granularity, and what to leave alone."""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from ..config import ActivationConfig
+from ..kernels.act_ops import get_act_ops
+from .accounting import Ledger
+from .packing import PER_GROUP, PER_TENSOR, FP8Saved, memory_order
+
+__all__ = ["SavedTensorCompressor", "COMPILE_MESSAGE"]
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+COMPILE_MESSAGE = (
+    "coat_ds.compress_activations does not support torch.compile: saved-tensor hooks inside a "
+    "compiled region are either traced away or run on fake tensors, so no memory would be saved. "
+    "Compile the model without compress_activations, or compress without compiling "
+    "(handle.remove() takes the hooks off).")
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    """The tensor owning `t`'s storage in autograd's view tracking (`_base` is never itself a view)."""
+    return t._base if t._base is not None else t
+
+
+class _WeakTable:
+    """key -> tensor, valid only while that tensor lives: keys are storage addresses, which
+    the allocator reuses once the tensor is gone."""
+
+    def __init__(self):
+        self._refs: dict = {}
+
+    def add(self, key, t: torch.Tensor) -> None:
+        if len(self._refs) > 4096:
+            self._refs = {k: r for k, r in self._refs.items() if r() is not None}
+        self._refs[key] = weakref.ref(t)
+
+    def __contains__(self, key) -> bool:
+        ref = self._refs.get(key)
+        return ref is not None and ref() is not None
+
+    def clear(self) -> None:
+        self._refs.clear()
+
+
+class SavedTensorCompressor:
+    """pack/unpack functions for `torch.autograd.graph.saved_tensors_hooks`, with its ledger."""
+
+    def __init__(self, config: ActivationConfig):
+        self.config = config
+        self.ledger = Ledger()
+        # One FP8 copy per saved tensor: a norm output saved by the q, k and v projections
+        # is stored once. Entries die with the autograd graph that holds them.
+        self._fp8: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._linear_inputs = _WeakTable()
+        self._keep = _WeakTable()
+        self._ops: dict[torch.device, object] = {}
+
+    def note_linear_input(self, x) -> None:
+        if isinstance(x, torch.Tensor):
+            self._linear_inputs.add((x.data_ptr(), x.dtype, x.numel()), x)
+
+    def note_alive_anyway(self, t) -> None:
+        """`t` outlives the region (a leaf input the caller holds, a buffer): never copy it."""
+        if isinstance(t, torch.Tensor):
+            self._keep.add(t.untyped_storage().data_ptr(), t)
+
+    def _ops_for(self, device: torch.device):
+        ops = self._ops.get(device)
+        if ops is None:
+            ops = self._ops[device] = get_act_ops(device, self.config.backend)
+        return ops
+
+    def pack(self, t: torch.Tensor):
+        if torch.compiler.is_compiling():
+            raise RuntimeError(COMPILE_MESSAGE)
+        root = _root(t)
+        if isinstance(t, nn.Parameter) or isinstance(root, nn.Parameter):
+            # Weights (FSDP2/ZeRO-3 gathered ones included) are re-gathered for backward;
+            # a copy would keep a second full weight alive.
+            self.ledger.add_skipped(t)
+            return t
+        if type(t) is not torch.Tensor or t.dtype not in _FLOATS or t.numel() < self.config.min_numel:
+            self.ledger.add_kept(t, root)
+            return t
+        if t.untyped_storage().data_ptr() in self._keep:
+            self.ledger.add_skipped(t)
+            return t
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
+               t.dtype, t._version)
+        hit = self._fp8.get(key)
+        if hit is not None and hit.origin() is not None:
+            self.ledger.dedup_hits += 1
+            return hit
+        perm = memory_order(t)
+        if perm is None:
+            self.ledger.add_kept(t, root)
+            return t
+        cfg = self.config
+        if cfg.per_tensor_linear_inputs and (t.data_ptr(), t.dtype, t.numel()) in self._linear_inputs:
+            kind, fmt = PER_TENSOR, cfg.linear_input_format
+        elif (t.data_ptr(), t.dtype, t.numel()) in self._linear_inputs:
+            kind, fmt = PER_GROUP, cfg.linear_input_format
+        else:
+            kind, fmt = PER_GROUP, cfg.other_format
+        with torch.no_grad():
+            saved = FP8Saved(t, perm, kind, fmt, cfg.group_size, self._ops_for(t.device))
+        saved.origin = weakref.ref(root)
+        self._fp8[key] = saved
+        self.ledger.add_compressed(t, root, saved.nbytes)
+        return saved
+
+    @staticmethod
+    def unpack(saved):
+        return saved.restore() if isinstance(saved, FP8Saved) else saved

@@ -1,0 +1,209 @@
+"""CoatAdamW under DeepSpeed: named in the JSON config, handed to ZeRO 1/2/3, memory reported.
+
+DeepSpeed's `optimizer.type` only resolves its own optimizers or `torch.optim.<Name>`, so
+`initialize` reads the config itself: for `"type": "CoatAdamW"` it builds the optimizer from
+`optimizer.params`, removes the section from what DeepSpeed sees and passes the instance as a
+client optimizer. Nothing in DeepSpeed or torch.optim is patched.
+
+What ZeRO hands a client optimizer (DeepSpeed 0.19.8, checked by tests/test_deepspeed*.py):
+ZeRO-1/2 replace each param group's params by ONE flat FP32 tensor, this rank's partition
+(crossing parameter boundaries, padded to a multiple of 2 x world size on the last rank);
+ZeRO-3 keeps the param groups empty and calls `step()` once per sub-group with that
+sub-group's flat FP32 partition swapped in. The partitions are long-lived tensors, so
+CoatAdamW's per-tensor state (FP8 codes, scales, `step`) stays keyed to the right one.
+"""
+from __future__ import annotations
+
+import copy
+import difflib
+import inspect
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..config import OptimStateConfig
+from ..optim import CoatAdamW
+from ..optim import state as st
+
+__all__ = [
+    "OPTIMIZER_TYPE",
+    "OPTIMIZER_PARAMS",
+    "prepare_config",
+    "initialize",
+    "coat_optimizer",
+    "local_partitions",
+    "StateMemoryReport",
+    "state_memory_report",
+]
+
+OPTIMIZER_TYPE = "CoatAdamW"
+# The keys `optimizer.params` may hold: CoatAdamW's keyword arguments.
+OPTIMIZER_PARAMS = tuple(n for n in inspect.signature(CoatAdamW.__init__).parameters if n not in ("self", "params"))
+
+
+def _load_config(config) -> dict:
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    if isinstance(config, (str, os.PathLike)):
+        if not os.path.isfile(config):
+            raise ValueError(f"DeepSpeed config file not found: {config}")
+        with open(config) as f:
+            return json.load(f)
+    raise TypeError(f"DeepSpeed config must be a dict or a JSON file path, got {type(config).__name__}")
+
+
+def _check_params(params: dict) -> dict:
+    for key in params:
+        if key not in OPTIMIZER_PARAMS:
+            close = difflib.get_close_matches(key, OPTIMIZER_PARAMS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"DeepSpeed config: optimizer.params has unknown key {key!r} for {OPTIMIZER_TYPE}{hint}; "
+                             f"valid keys: {', '.join(OPTIMIZER_PARAMS)}")
+    out = dict(params)
+    if "betas" in out:
+        out["betas"] = tuple(out["betas"])
+    return out
+
+
+def prepare_config(config) -> tuple[dict, dict | None]:
+    """Split a DeepSpeed config (dict or JSON path) into what DeepSpeed should see and the
+    CoatAdamW keyword arguments (None when the config names another optimizer or none).
+
+    Raises ValueError, naming the key, for an unknown optimizer parameter and for settings
+    whose checkpoint code would corrupt FP8 state (`elastic_checkpoint`, universal load) or
+    that cannot host it (NVMe optimizer offload)."""
+    ds = _load_config(config)
+    section = ds.get("optimizer")
+    if not section or str(section.get("type", "")).lower() != OPTIMIZER_TYPE.lower():
+        return ds, None
+    extra = set(section) - {"type", "params"}
+    if extra:
+        raise ValueError(f"DeepSpeed config: optimizer section has unknown key(s) {sorted(extra)}; "
+                         "expected only 'type' and 'params'")
+    kwargs = _check_params(section.get("params") or {})
+    zero = ds.get("zero_optimization") or {}
+    if zero.get("elastic_checkpoint"):
+        # DeepSpeed's elastic path trims `padding` elements off every 1-D state tensor and
+        # treats tensors not shaped like the partition (our scales) as replicated.
+        raise ValueError("DeepSpeed config: zero_optimization.elastic_checkpoint=true is not supported with "
+                         f"{OPTIMIZER_TYPE}: it would corrupt the per-group FP8 scales. Leave it false; to resume at "
+                         "another data-parallel size use coat_ds.integrations.deepspeed_checkpoint.load_checkpoint")
+    if (ds.get("checkpoint") or {}).get("load_universal"):
+        raise ValueError("DeepSpeed config: checkpoint.load_universal=true is not supported with "
+                         f"{OPTIMIZER_TYPE} (universal checkpoints assume FP32 exp_avg/exp_avg_sq); use "
+                         "coat_ds.integrations.deepspeed_checkpoint to change the data-parallel size")
+    offload = (zero.get("offload_optimizer") or {}).get("device", "none")
+    if offload == "nvme":
+        raise ValueError(f"DeepSpeed config: offload_optimizer.device='nvme' is not supported with {OPTIMIZER_TYPE} "
+                         "(DeepSpeed's swapper assumes partition-shaped state tensors); use 'cpu'")
+    if offload == "cpu":
+        if kwargs.get("backend", "auto") == "triton":
+            raise ValueError(f"DeepSpeed config: offload_optimizer.device='cpu' steps {OPTIMIZER_TYPE} on host tensors; "
+                             "optimizer.params.backend must be 'auto' or 'torch', not 'triton'")
+        # Otherwise DeepSpeed insists on its own DeepSpeedCPUAdam for offloaded states.
+        ds["zero_force_ds_cpu_optimizer"] = False
+    ds["zero_allow_untested_optimizer"] = True
+    del ds["optimizer"]
+    return ds, kwargs
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, *, config=None, config_params=None,
+               **kwargs):
+    """Drop-in for `deepspeed.initialize` that also understands `"type": "CoatAdamW"`.
+
+    Returns what `deepspeed.initialize` returns: (engine, optimizer, dataloader, lr_scheduler).
+    The config comes from `config`, `config_params` or `args.deepspeed_config`, as there."""
+    import deepspeed
+
+    if config is None:
+        config = config_params
+    if args is not None and getattr(args, "deepspeed_config", None) is not None:
+        if config is not None:
+            raise ValueError("DeepSpeed config given both as args.deepspeed_config and as config=")
+        config = args.deepspeed_config
+        args = copy.copy(args)
+        args.deepspeed_config = None  # deepspeed.initialize refuses a config given twice
+    if config is None:
+        raise ValueError("no DeepSpeed config: pass config= or args.deepspeed_config")
+    ds_config, coat_kwargs = prepare_config(config)
+    if coat_kwargs is not None:
+        if optimizer is not None:
+            raise ValueError(f"the DeepSpeed config names {OPTIMIZER_TYPE} and an optimizer was passed too; keep one")
+        if model_parameters is None:
+            model_parameters = [p for p in model.parameters() if p.requires_grad]
+        model_parameters = list(model_parameters)  # CoatAdamW and DeepSpeed both iterate it
+        optimizer = CoatAdamW(model_parameters, **coat_kwargs)
+    result = deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                                  config=ds_config, **kwargs)
+    if coat_kwargs is not None:
+        from deepspeed.utils import logger
+
+        logger.info(state_memory_report(result[0]).describe())
+    return result
+
+
+def coat_optimizer(engine) -> CoatAdamW | None:
+    """The CoatAdamW inside a DeepSpeed engine (under its ZeRO wrapper), or None."""
+    for opt in (getattr(engine.optimizer, "optimizer", None), engine.optimizer,
+                getattr(engine, "basic_optimizer", None)):
+        if isinstance(opt, CoatAdamW):
+            return opt
+    return None
+
+
+def local_partitions(engine) -> list[tuple[torch.Tensor, dict]]:
+    """(flat FP32 tensor, its param group) for every tensor this rank's optimizer steps."""
+    zopt = engine.optimizer
+    base = coat_optimizer(engine)
+    groups = base.param_groups if base is not None else zopt.param_groups
+    if hasattr(zopt, "fp32_partitioned_groups_flat"):  # ZeRO-3: one per sub-group
+        return [(t, groups[zopt.sub_group_to_group_id[i]]) for i, t in enumerate(zopt.fp32_partitioned_groups_flat)]
+    if hasattr(zopt, "single_partition_of_fp32_groups"):  # ZeRO-1/2: one per param group
+        return list(zip(zopt.single_partition_of_fp32_groups, groups))
+    return [(p, g) for g in groups for p in g["params"]]
+
+
+def _state_config(group: dict) -> OptimStateConfig:
+    return OptimStateConfig(**{k: group[k] for k in OptimStateConfig.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class StateMemoryReport:
+    """Optimizer-state memory of one rank: CoatAdamW's against FP32 AdamW's for the same partition."""
+
+    rank: int  # global rank
+    numel: int  # parameter elements this rank's optimizer owns
+    state_bytes: int  # bytes of CoatAdamW's moment state (codes, scales, FP32 small tensors)
+    device: str  # where the state lives (the host under ZeRO-Offload)
+
+    @property
+    def bytes_per_param(self) -> float:
+        return self.state_bytes / self.numel if self.numel else 0.0
+
+    @property
+    def fp32_adamw_bytes(self) -> int:
+        return 8 * self.numel
+
+    @property
+    def saved_gb(self) -> float:
+        return (self.fp32_adamw_bytes - self.state_bytes) / 1e9
+
+    def describe(self) -> str:
+        return (f"CoatAdamW rank {self.rank}: optimizer state for {self.numel:,} params on {self.device}: "
+                f"{self.bytes_per_param:.3f} bytes/param, {self.state_bytes / 1e9:.4f} GB "
+                f"(FP32 AdamW {self.fp32_adamw_bytes / 1e9:.4f} GB) -> saves {self.saved_gb:.4f} GB on this rank")
+
+
+def state_memory_report(engine) -> StateMemoryReport:
+    """Bytes the moment state takes on this rank, known before the first step: the state is
+    laid out exactly as CoatAdamW will, on the meta device (nothing is allocated)."""
+    total, numel, device = 0, 0, "cpu"
+    for t, group in local_partitions(engine):
+        cfg = _state_config(group)
+        layout = st.init_state(torch.empty(t.shape, device="meta"), t.numel() >= cfg.min_quant_numel, cfg)
+        total += st.state_bytes(layout)
+        numel += t.numel()
+        device = str(t.device)
+    return StateMemoryReport(int(getattr(engine, "global_rank", 0)), numel, total, device)

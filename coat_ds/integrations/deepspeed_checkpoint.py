@@ -1,0 +1,262 @@
+"""DeepSpeed checkpoints with CoatAdamW at another data-parallel size.
+
+`engine.save_checkpoint` / `engine.load_checkpoint` already round-trip CoatAdamW bit-exactly
+at the same world size: each rank saves its optimizer's `state_dict()` (FP8 codes and scales
+in their own dtypes) and `CoatAdamW.load_state_dict` keeps those dtypes. What DeepSpeed cannot
+do is re-partition it: its elastic and universal paths assume FP32 `exp_avg`/`exp_avg_sq`
+shaped like the partition. So a resume at another size goes through the FP32 layout:
+
+1. `consolidate_checkpoint(dir)` (offline, any process) dequantizes every rank's moments to
+   FP32 and reassembles per-parameter tensors with DeepSpeed's own ZeRO layout code
+   (`deepspeed.utils.zero_to_fp32`), next to the FP32 master weights.
+2. `load_fp32_checkpoint(engine, ckpt)` scatters those tensors into the new engine's
+   partitions with `deepspeed.utils.safe_set_full_fp32_param` and re-quantizes the moments
+   through `CoatAdamW.load_fp32_state_dict`.
+
+`load_checkpoint(engine, dir)` picks the direct or the converting path by the saved world size.
+Command line: `python -m coat_ds.integrations.deepspeed_checkpoint CKPT_DIR OUT.pt [--tag TAG]`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import os
+
+import torch
+
+from ..optim import state as st
+from .deepspeed import _state_config, coat_optimizer, local_partitions
+
+__all__ = ["FORMAT", "saved_world_size", "consolidate_checkpoint", "load_fp32_checkpoint", "load_checkpoint"]
+
+FORMAT = "coat_ds.deepspeed_fp32_checkpoint/1"
+
+# Keys DeepSpeed itself writes into the model-states file; every other key is client state.
+_ENGINE_KEYS = frozenset({
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "skipped_steps", "global_steps",
+    "global_samples", "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions", "ds_config",
+    "ds_version", "sparse_tensor_module_names"})
+
+
+def _tag_dir(load_dir: str, tag: str | None) -> str:
+    if tag is None:
+        latest = os.path.join(load_dir, "latest")
+        if not os.path.isfile(latest):
+            raise FileNotFoundError(f"no tag given and no 'latest' file in {load_dir}")
+        with open(latest) as f:
+            tag = f.read().strip()
+    path = os.path.join(load_dir, str(tag))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint folder not found: {path}")
+    return path
+
+
+def _model_state(ckpt_dir: str) -> dict:
+    from deepspeed.utils import zero_to_fp32 as z
+
+    return torch.load(z.get_model_state_files(ckpt_dir)[0], map_location="cpu", weights_only=False)
+
+
+def saved_world_size(load_dir: str, tag: str | None = None) -> int:
+    """Data-parallel size the checkpoint in `load_dir` (tag, or 'latest') was saved at."""
+    return int(_model_state(_tag_dir(load_dir, tag))["dp_world_size"])
+
+
+def _fp32_moments(opt_sd: dict, lengths: list[int]) -> tuple[dict[str, list[torch.Tensor]], set[float]]:
+    """Dequantized exp_avg / exp_avg_sq of one rank's flat tensors, cut to `lengths`
+    (ZeRO-1/2 save FP32 partitions without their padding), and the steps seen."""
+    out = {name: [] for name in st.MOMENTS}
+    steps = set()
+    ids = [(pid, group) for group in opt_sd["param_groups"] for pid in group["params"]]
+    if len(ids) != len(lengths):
+        raise ValueError(f"optimizer state has {len(ids)} tensors, checkpoint has {len(lengths)} FP32 partitions")
+    for (pid, group), n in zip(ids, lengths):
+        state = opt_sd["state"].get(pid)
+        if not state:  # never stepped: AdamW's zeros
+            for name in st.MOMENTS:
+                out[name].append(torch.zeros(n))
+            steps.add(0.0)
+            continue
+        cfg = dataclasses.replace(_state_config(group), backend="torch")  # host tensors, reference codec
+        fp32 = st.to_fp32(state, cfg)
+        for name in st.MOMENTS:
+            flat = fp32[name].reshape(-1)
+            if flat.numel() < n:
+                raise ValueError(f"{name} has {flat.numel()} elements, partition has {n}")
+            out[name].append(flat[:n].contiguous())
+        steps.add(float(state["step"]))
+    return out, steps
+
+
+def consolidate_checkpoint(load_dir: str, tag: str | None = None) -> dict:
+    """Per-parameter FP32 weights and AdamW moments of a ZeRO-1/2/3 CoatAdamW checkpoint.
+
+    Returns {"format", "zero_stage", "world_size", "step", "param_groups", "params",
+    "exp_avg", "exp_avg_sq", "engine", "client_state"}; the three tensor dicts are keyed by
+    parameter name with full shapes, like `model.state_dict()`."""
+    from deepspeed.utils import zero_to_fp32 as z
+
+    ckpt_dir = _tag_dir(load_dir, tag)
+    model_states = z.parse_model_states(z.get_model_state_files(ckpt_dir))
+    sds = [torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+           for f in z.get_optim_files(ckpt_dir)]
+    stage = int(sds[0]["zero_stage"])
+    world = sds[0]["partition_count"]
+    world = max(world) if isinstance(world, list) else int(world)
+    if world != len(sds):
+        raise ValueError(f"{ckpt_dir}: saved at world size {world} but holds {len(sds)} optimizer files")
+    if stage <= 2:
+        if not isinstance(sds[0]["base_optimizer_state"], dict):
+            raise ValueError(f"{ckpt_dir} is an elastic checkpoint; its FP8 scales are not recoverable")
+        opt_sds = [sd["base_optimizer_state"] for sd in sds]
+        masters = [sd["single_partition_of_fp32_groups"] for sd in sds]
+    else:
+        opt_sds = [sd["optimizer_state_dict"] for sd in sds]
+        masters = [sd["fp32_flat_groups"] for sd in sds]
+    if "exp_avg_codes" not in str([list(s.keys()) for osd in opt_sds for s in osd["state"].values()][:1]) and \
+            not any("first_moment_format" in g for g in opt_sds[0]["param_groups"]):
+        raise ValueError(f"{ckpt_dir} was not written with CoatAdamW")
+    moments, steps = {name: [] for name in st.MOMENTS}, set()
+    for osd, flats in zip(opt_sds, masters):
+        rank_moments, rank_steps = _fp32_moments(osd, [t.numel() for t in flats])
+        for name in st.MOMENTS:
+            moments[name].append(rank_moments[name])
+        steps |= rank_steps
+    if len(steps) != 1:
+        raise ValueError(f"{ckpt_dir}: optimizer tensors were stepped unequal times {sorted(steps)}")
+
+    def per_param(flat_groups: list[list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+        if stage <= 2:
+            sd = z._get_fp32_state_dict_from_zero2_checkpoint(world, flat_groups, model_states, True,
+                                                              sds[0].get("param_alignment_paddings"))
+        else:
+            sd = z.to_torch_tensor(z._get_fp32_state_dict_from_zero3_checkpoint(world, flat_groups, model_states,
+                                                                                 True))
+        names = {n for shapes in model_states[0].param_shapes for n in shapes}
+        return {n: t.detach().clone() for n, t in sd.items() if n in names}
+
+    model_sd = _model_state(ckpt_dir)
+    return {
+        "format": FORMAT,
+        "zero_stage": stage,
+        "world_size": world,
+        "step": steps.pop(),
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt_sds[0]["param_groups"]],
+        "params": per_param(masters),
+        **{name: per_param(moments[name]) for name in st.MOMENTS},
+        "engine": {k: model_sd.get(k) for k in ("global_steps", "global_samples", "skipped_steps", "lr_scheduler")},
+        "client_state": {k: v for k, v in model_sd.items() if k not in _ENGINE_KEYS},
+    }
+
+
+def _scatter(engine, named, parts, full: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Write per-parameter tensors into this rank's flat FP32 partitions through DeepSpeed's
+    own mapping (padding left at zero); returns the partitions' new contents."""
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    for t in parts:
+        t.data.zero_()
+    for name, p in named:
+        safe_set_full_fp32_param(p, full[name].to(torch.float32).reshape(p.ds_shape if hasattr(p, "ds_shape")
+                                                                         else p.shape))
+    return [t.detach().clone() for t in parts]
+
+
+@torch.no_grad()
+def _refresh_lp_params(engine) -> None:
+    """Copy the FP32 master partitions into the BF16/FP16 parameters the forward uses."""
+    zopt = engine.optimizer
+    if hasattr(zopt, "update_lp_params"):  # ZeRO-1/2: copy and all-gather
+        zopt.update_lp_params()
+        return
+    if hasattr(zopt, "fp16_partitioned_groups_flat"):  # ZeRO-3: partitions only, as its own load does
+        for fp32, lp in zip(zopt.fp32_partitioned_groups_flat, zopt.fp16_partitioned_groups_flat):
+            if fp32.numel():
+                lp.data.copy_(fp32.data)
+        for i, lp in enumerate(zopt.fp16_partitioned_groups_flat):
+            for part, q in zip(zopt.fp16_partitioned_groups[i], zopt.unflatten(lp, zopt.fp16_partitioned_groups[i])):
+                part.data = q.data
+        return
+    raise NotImplementedError(f"resharding is implemented for ZeRO-1/2/3 engines, not {type(zopt).__name__}")
+
+
+def load_fp32_checkpoint(engine, ckpt) -> dict:
+    """Load a `consolidate_checkpoint` result (dict or path) into `engine`, at any
+    data-parallel size: master weights, BF16 weights, re-quantized moments, step, the
+    engine's step counters and LR scheduler. Returns the saved client state."""
+    if not isinstance(ckpt, dict):
+        ckpt = torch.load(ckpt, map_location="cpu", weights_only=False)
+    if ckpt.get("format") != FORMAT:
+        raise ValueError(f"not a {FORMAT} file (format={ckpt.get('format')!r})")
+    coat = coat_optimizer(engine)
+    if coat is None:
+        raise ValueError("the engine's optimizer is not CoatAdamW")
+    named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+    missing = [n for n, _ in named if n not in ckpt["params"]]
+    if missing:
+        raise KeyError(f"checkpoint lacks parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    parts = [t for t, _ in local_partitions(engine)]
+    moments = {name: _scatter(engine, named, parts, ckpt[name]) for name in st.MOMENTS}
+    _scatter(engine, named, parts, ckpt["params"])  # last: leaves the masters in place
+    _refresh_lp_params(engine)
+
+    zopt = engine.optimizer
+    zero3 = hasattr(zopt, "_set_fp32_optimizer_param_groups")
+    if zero3:  # ZeRO-3 keeps param groups empty between steps; fill them as its own save/load does
+        zopt._set_fp32_optimizer_param_groups()
+    try:
+        sd = coat.state_dict()
+        index = {id(t): i for i, t in enumerate(parts)}
+        tensors = itertools.chain.from_iterable(g["params"] for g in coat.param_groups)
+        pids = itertools.chain.from_iterable(g["params"] for g in sd["param_groups"])
+        sd["state"] = {}
+        for pid, t in zip(pids, tensors):
+            i = index[id(t)]
+            sd["state"][pid] = {"step": torch.tensor(float(ckpt["step"])),
+                                **{name: moments[name][i] for name in st.MOMENTS}}
+        for group, saved in zip(sd["param_groups"], ckpt["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        coat.load_fp32_state_dict(sd)
+    finally:
+        if zero3:
+            zopt._clear_fp32_optimizer_param_groups()
+
+    counters = ckpt["engine"]
+    for key in ("global_steps", "global_samples", "skipped_steps"):
+        if counters.get(key) is not None:
+            setattr(engine, key, counters[key])
+    if engine.lr_scheduler is not None and counters.get("lr_scheduler") is not None:
+        engine.lr_scheduler.load_state_dict(counters["lr_scheduler"])
+    return dict(ckpt["client_state"])
+
+
+def load_checkpoint(engine, load_dir: str, tag: str | None = None) -> tuple[str, dict]:
+    """`engine.load_checkpoint` when the world size matches the saved one (bit-exact), else
+    consolidate and re-partition through the FP32 layout. Returns (path, client_state)."""
+    ckpt_dir = _tag_dir(load_dir, tag)
+    if saved_world_size(load_dir, tag) == engine.dp_world_size:
+        path, client_state = engine.load_checkpoint(load_dir, tag=os.path.basename(ckpt_dir))
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load {ckpt_dir}")
+        return path, client_state
+    return ckpt_dir, load_fp32_checkpoint(engine, consolidate_checkpoint(load_dir, tag))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description="Convert a CoatAdamW DeepSpeed checkpoint to per-parameter FP32 "
+                                 "(weights + AdamW moments), loadable at any data-parallel size.")
+    ap.add_argument("checkpoint_dir", help="the save_dir given to engine.save_checkpoint")
+    ap.add_argument("output", help="output .pt file")
+    ap.add_argument("--tag", default=None, help="checkpoint tag (default: the 'latest' file)")
+    args = ap.parse_args(argv)
+    ckpt = consolidate_checkpoint(args.checkpoint_dir, args.tag)
+    torch.save(ckpt, args.output)
+    n = sum(t.numel() for t in ckpt["params"].values())
+    print(f"wrote {args.output}: {len(ckpt['params'])} tensors, {n:,} params, step {ckpt['step']:g}, "
+          f"from ZeRO-{ckpt['zero_stage']} at world size {ckpt['world_size']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""PyTorch FSDP with CoatAdamW: wrapping (FSDP2 `fully_shard` or FSDP1) and checkpoints.
+
+A training loop needs three calls besides its own code:
+
+    model = setup_fsdp(model, FsdpConfig(mode="fsdp2"))      # or mode="fsdp1"
+    optim = coat_ds.CoatAdamW(model.parameters(), lr=...)
+    ...
+    save_checkpoint(path, model, optim, step)                 # every rank
+    step = load_checkpoint(path, model, optim)                # every rank, any world size
+
+Checkpoints are `torch.distributed.checkpoint` (DCP) directories. FSDP2 saves CoatAdamW's FP8
+state as it is (DTensors, see `coat_ds/optim/sharded.py`): bit-exact resume, and DCP
+reshards it to another number of ranks. FSDP1's optimizer-state machinery only knows
+FP32 tensors shaped like its flat shards, so FSDP1 checkpoints carry the moments in
+torch.optim.AdamW's layout (dequantized FP32) and loading quantizes them again: resharding
+works for free, at the cost of one FP8 rounding of the moments at each resume.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import MixedPrecision, ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
+from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+
+from ..optim.sharded import mark_global_numel
+
+__all__ = ["FsdpConfig", "setup_fsdp", "save_checkpoint", "load_checkpoint",
+           "fsdp1_optim_state_dict", "fsdp1_load_optim_state_dict", "is_fsdp1", "is_fsdp2"]
+
+_MODES = ("fsdp2", "fsdp1")
+
+
+@dataclass(frozen=True)
+class FsdpConfig:
+    """How `setup_fsdp` shards a model."""
+
+    mode: str = "fsdp2"  # "fsdp2" (fully_shard, DTensor parameters) or "fsdp1" (FullyShardedDataParallel)
+    wrap: Callable[[nn.Module], bool] | None = None  # modules made their own FSDP unit; None: every element of an nn.ModuleList
+    use_orig_params: bool = True  # FSDP1 only: expose the original parameters (True) or one FlatParameter per unit
+    reshard_after_forward: bool = True  # free gathered parameters after forward (ZeRO-3-like) or keep them to backward
+    param_dtype: torch.dtype | None = None  # compute dtype of gathered parameters (e.g. torch.bfloat16); None: as stored
+    compress: Callable[[nn.Module], nn.Module | None] | None = None  # activation-compression hook, applied before sharding
+
+    def __post_init__(self):
+        if self.mode not in _MODES:
+            raise ValueError(f"mode must be one of {_MODES}, got {self.mode!r}")
+        if self.param_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"param_dtype must be None or a float dtype, got {self.param_dtype!r}")
+
+
+def _units(model: nn.Module, wrap: Callable[[nn.Module], bool] | None) -> list[nn.Module]:
+    """Sub-modules that become their own FSDP unit, in post-order (children before parents)."""
+    if wrap is None:
+        listed = {id(m) for ml in model.modules() if isinstance(ml, nn.ModuleList) for m in ml}
+        wrap = lambda m: id(m) in listed  # noqa: E731
+    return [m for m in _post_order(model) if m is not model and wrap(m)]
+
+
+def _post_order(module: nn.Module):
+    for child in module.children():
+        yield from _post_order(child)
+    yield module
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def setup_fsdp(model: nn.Module, config: FsdpConfig | None = None, **overrides) -> nn.Module:
+    """Shard `model` over the default process group; returns the model to train.
+
+    FSDP2 shards in place (the same module comes back, its parameters now DTensors);
+    FSDP1 returns a `FullyShardedDataParallel` wrapper. Each parameter is first marked
+    with its unsharded size, so CoatAdamW decides FP32-or-FP8 moments on the whole tensor
+    whatever the number of ranks. Keyword overrides build a `FsdpConfig`."""
+    if not dist.is_initialized():
+        raise RuntimeError("setup_fsdp needs torch.distributed initialised (torchrun + init_process_group)")
+    config = FsdpConfig(**overrides) if config is None else config
+    if config.compress is not None:
+        model = config.compress(model) or model
+    for p in model.parameters():
+        mark_global_numel(p, p.numel())
+    units = _units(model, config.wrap)
+    if config.mode == "fsdp2":
+        mp = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=torch.float32
+                                  if config.param_dtype is not None else None)
+        for unit in units:
+            fully_shard(unit, reshard_after_forward=config.reshard_after_forward, mp_policy=mp)
+        fully_shard(model, reshard_after_forward=config.reshard_after_forward, mp_policy=mp)
+        return model
+    unit_ids = {id(u) for u in units}
+    mp = None
+    if config.param_dtype is not None:
+        mp = MixedPrecision(param_dtype=config.param_dtype, reduce_dtype=torch.float32, buffer_dtype=config.param_dtype)
+    policy = partial(lambda_auto_wrap_policy, lambda_fn=lambda m: id(m) in unit_ids)
+    return FSDP(model, auto_wrap_policy=policy, device_id=_device(), use_orig_params=config.use_orig_params,
+                mixed_precision=mp)
+
+
+def is_fsdp2(model: nn.Module) -> bool:
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def is_fsdp1(model: nn.Module) -> bool:
+    return bool(FSDP.fsdp_modules(model))
+
+
+# -- FSDP1 optimizer state -------------------------------------------------------------------
+
+
+def fsdp1_optim_state_dict(model: nn.Module, optim) -> dict:
+    """FSDP1's optimizer state dict (full or sharded, per the `FSDP.state_dict_type` in
+    force) of a CoatAdamW, in torch.optim.AdamW's layout: FSDP1 gathers and unflattens
+    only FP32 tensors shaped like its flat shards, so the moments go through FP32."""
+    _ensure_state(optim)
+    return FSDP.optim_state_dict(model, optim, optim.fp32_state_dict())
+
+
+def fsdp1_load_optim_state_dict(model: nn.Module, optim, osd: dict) -> None:
+    """Inverse of `fsdp1_optim_state_dict` (under the same `FSDP.state_dict_type`): this
+    rank's shard of the FP32 moments, quantized again into CoatAdamW's state."""
+    optim.load_fp32_state_dict(FSDP.optim_state_dict_to_load(model, optim, osd))
+
+
+@torch.no_grad()
+def _ensure_state(optim) -> None:
+    """Create the optimizer's state if it has none yet (a step with zero gradients and zero
+    learning rate), so a checkpoint can be loaded into a freshly built optimizer."""
+    if optim.state:
+        return
+    lrs = [g["lr"] for g in optim.param_groups]
+    for g in optim.param_groups:
+        g["lr"] = 0.0
+        for p in g["params"]:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+    optim.step()
+    for g, lr in zip(optim.param_groups, lrs):
+        g["lr"] = lr
+    optim.zero_grad(set_to_none=True)
+
+
+# -- checkpoints ---------------------------------------------------------------------------
+
+
+def _fsdp1_state(model: nn.Module, optim) -> dict:
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(),
+                              ShardedOptimStateDictConfig()):
+        return {"model": model.state_dict(), "optim": fsdp1_optim_state_dict(model, optim)}
+
+
+def save_checkpoint(path: str | os.PathLike, model: nn.Module, optim, step: int) -> None:
+    """Save model, optimizer and `step` as a DCP checkpoint directory (call on every rank)."""
+    if is_fsdp1(model):
+        state = _fsdp1_state(model, optim)
+    else:
+        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
+    state["train"] = {"step": torch.tensor(int(step), dtype=torch.int64)}
+    dcp.save(state, checkpoint_id=os.fspath(path))
+
+
+def load_checkpoint(path: str | os.PathLike, model: nn.Module, optim) -> int:
+    """Load a `save_checkpoint` directory into `model` and `optim`, possibly saved on a
+    different number of ranks (call on every rank); returns the saved step."""
+    if is_fsdp1(model):
+        state = _fsdp1_state(model, optim)
+    else:
+        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
+    state["train"] = {"step": torch.zeros((), dtype=torch.int64)}
+    dcp.load(state, checkpoint_id=os.fspath(path))
+    if is_fsdp1(model):
+        with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(),
+                                  ShardedOptimStateDictConfig()):
+            model.load_state_dict(state["model"])
+            fsdp1_load_optim_state_dict(model, optim, state["optim"])
+    else:
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, optim, state["optim"])
+    return int(state["train"]["step"])
