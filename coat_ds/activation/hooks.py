@@ -9,7 +9,7 @@ from torch import nn
 from ..config import ActivationConfig
 from ..kernels.act_ops import get_act_ops
 from .accounting import Ledger
-from .packing import PER_GROUP, PER_TENSOR, FP8Saved, memory_order
+from .packing import PER_GROUP, PER_TENSOR, FP8Saved, FP8View, memory_order
 
 __all__ = ["SavedTensorCompressor", "COMPILE_MESSAGE"]
 
@@ -90,16 +90,18 @@ class SavedTensorCompressor:
         if t.untyped_storage().data_ptr() in self._keep:
             self.ledger.add_skipped(t)
             return t
-        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
-               t.dtype, t._version)
-        hit = self._fp8.get(key)
-        if hit is not None and hit.origin() is not None:
-            self.ledger.dedup_hits += 1
-            return hit
         perm = memory_order(t)
         if perm is None:
             self.ledger.add_kept(t, root)
             return t
+        # A dense tensor is its first element's address plus its element count; views of the
+        # same memory (any shape or strides) share one FP8 copy while its original lives.
+        key = (t.device, t.data_ptr(), t.numel(), t.dtype, t._version)
+        hit = self._fp8.get(key)
+        if hit is not None and hit.origin() is not None:
+            self.ledger.dedup_hits += 1
+            same = hit.shape == tuple(t.shape) and hit.stride == t.stride()
+            return hit if same else FP8View(hit, t)
         cfg = self.config
         if cfg.per_tensor_linear_inputs and (t.data_ptr(), t.dtype, t.numel()) in self._linear_inputs:
             kind, fmt = PER_TENSOR, cfg.linear_input_format
@@ -116,4 +118,4 @@ class SavedTensorCompressor:
 
     @staticmethod
     def unpack(saved):
-        return saved.restore() if isinstance(saved, FP8Saved) else saved
+        return saved.restore() if isinstance(saved, (FP8Saved, FP8View)) else saved

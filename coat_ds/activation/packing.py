@@ -5,7 +5,7 @@ import weakref
 
 import torch
 
-__all__ = ["PER_TENSOR", "PER_GROUP", "FP8Saved", "memory_order"]
+__all__ = ["PER_TENSOR", "PER_GROUP", "FP8Saved", "FP8View", "memory_order"]
 
 PER_TENSOR = "per_tensor"
 PER_GROUP = "per_group"
@@ -26,7 +26,7 @@ class FP8Saved:
     """FP8 codes plus power-of-two scale exponents of one saved tensor."""
 
     __slots__ = ("codes", "exps", "kind", "fmt", "group_size", "dtype", "perm", "ops", "_restored",
-                 "origin", "__weakref__")
+                 "origin", "shape", "stride", "__weakref__")
 
     def __init__(self, t: torch.Tensor, perm: list[int], kind: str, fmt: str, group_size: int, ops):
         x = t.detach().permute(perm)
@@ -35,6 +35,7 @@ class FP8Saved:
         else:
             self.codes, self.exps = ops.quantize_rows(x, group_size, fmt)
         self.kind, self.fmt, self.group_size, self.dtype, self.perm, self.ops = kind, fmt, group_size, t.dtype, perm, ops
+        self.shape, self.stride = tuple(t.shape), t.stride()
         self._restored = None
         self.origin = None  # weak reference to the tensor compressed, set by the hooks
 
@@ -58,3 +59,17 @@ class FP8Saved:
         x = x.permute(inverse)
         self._restored = weakref.ref(x)
         return x
+
+
+class FP8View:
+    """Another view of the memory an FP8Saved holds (same first element, same element count,
+    both dense): an attention output saved as (B, H, S, D) and, reshaped, as o_proj's input."""
+
+    __slots__ = ("saved", "shape", "stride")
+
+    def __init__(self, saved: FP8Saved, t: torch.Tensor):
+        self.saved, self.shape, self.stride = saved, tuple(t.shape), t.stride()
+
+    def restore(self) -> torch.Tensor:
+        x = self.saved.restore()
+        return x.as_strided(self.shape, self.stride, x.storage_offset())

@@ -115,8 +115,7 @@ def consolidate_checkpoint(load_dir: str, tag: str | None = None) -> dict:
     else:
         opt_sds = [sd["optimizer_state_dict"] for sd in sds]
         masters = [sd["fp32_flat_groups"] for sd in sds]
-    if "exp_avg_codes" not in str([list(s.keys()) for osd in opt_sds for s in osd["state"].values()][:1]) and \
-            not any("first_moment_format" in g for g in opt_sds[0]["param_groups"]):
+    if not all("first_moment_format" in g for g in opt_sds[0]["param_groups"]):
         raise ValueError(f"{ckpt_dir} was not written with CoatAdamW")
     moments, steps = {name: [] for name in st.MOMENTS}, set()
     for osd, flats in zip(opt_sds, masters):
@@ -159,8 +158,7 @@ def _scatter(engine, named, parts, full: dict[str, torch.Tensor]) -> list[torch.
     for t in parts:
         t.data.zero_()
     for name, p in named:
-        safe_set_full_fp32_param(p, full[name].to(torch.float32).reshape(p.ds_shape if hasattr(p, "ds_shape")
-                                                                         else p.shape))
+        safe_set_full_fp32_param(p, full[name].to(torch.float32))
     return [t.detach().clone() for t in parts]
 
 
