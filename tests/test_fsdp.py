@@ -87,6 +87,13 @@ def _full_params(model) -> dict:
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)).items()}
 
 
+def _full_optim_state(model, optim) -> dict:
+    """Gathered optimizer state, copied: DCP hands out live references where it can."""
+    osd = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {"state": {k: {n: v.clone() if torch.is_tensor(v) else v for n, v in st.items()}
+                      for k, st in osd.get("state", {}).items()}}
+
+
 def _local_state(optim) -> list[dict]:
     return [{k: v.clone() for k, v in optim.state[p].items()} for g in optim.param_groups for p in g["params"]]
 
@@ -114,8 +121,7 @@ def _fsdp2_train_worker(rank, world, init, hidden, out):
     optim = _optim(model.parameters())
     _train(model, optim, range(5), rank, world)
     params = _full_params(model)
-    full_osd = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True,
-                                                                               cpu_offload=True))
+    full_osd = _full_optim_state(model, optim)
     if rank == 0:
         torch.save({"params": params, "optim": full_osd}, out)
     dist.destroy_process_group()
@@ -236,11 +242,12 @@ def _fsdp2_save_worker(rank, world, init, ckpt, out):
     optim = _optim(model.parameters())
     _train(model, optim, range(3), rank, world)
     save_checkpoint(ckpt, model, optim, step=3)
-    fp32 = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full_osd = _full_optim_state(model, optim)
     at_save = _full_params(model)
     _train(model, optim, range(3, 5), rank, world)
+    end = _full_params(model)
     if rank == 0:
-        torch.save({"at_save": at_save, "optim": fp32, "end": _full_params(model)}, out)
+        torch.save({"at_save": at_save, "optim": full_osd, "end": end}, out)
     dist.destroy_process_group()
 
 
@@ -251,10 +258,11 @@ def _fsdp2_resume_worker(rank, world, init, ckpt, out):
     optim = _optim(model.parameters())
     assert load_checkpoint(ckpt, model, optim) == 3
     at_load = _full_params(model)
-    osd = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    osd = _full_optim_state(model, optim)
     _train(model, optim, range(3, 5), rank, world)
+    end = _full_params(model)
     if rank == 0:
-        torch.save({"at_load": at_load, "optim": osd, "end": _full_params(model)}, out)
+        torch.save({"at_load": at_load, "optim": osd, "end": end}, out)
     dist.destroy_process_group()
 
 

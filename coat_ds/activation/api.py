@@ -9,7 +9,7 @@ from torch import nn
 
 from ..config import ActivationConfig
 from .accounting import ActivationStats
-from .hooks import COMPILE_MESSAGE, SavedTensorCompressor
+from .hooks import SavedTensorCompressor
 
 __all__ = ["compress_activations", "ActivationCompression", "activation_stats"]
 
@@ -49,9 +49,11 @@ class ActivationCompression:
         for m in linears.values():
             self._handles.append(m.register_forward_pre_hook(self._linear_input))
 
+    # Under torch.compile the region hooks run eagerly (a graph break at each region's
+    # entry and exit): the compiled graphs' saved tensors then reach our pack hook at run
+    # time, through AOTAutograd's save_for_backward, as real tensors.
+    @torch.compiler.disable
     def _enter(self, module: nn.Module, args, kwargs):
-        if torch.compiler.is_compiling():
-            raise RuntimeError(COMPILE_MESSAGE)
         if not (self.enabled and torch.is_grad_enabled()) or _inside_checkpoint_or_backward():
             self._contexts.append(None)
             return
@@ -67,12 +69,17 @@ class ActivationCompression:
         ctx.__enter__()
         self._contexts.append(ctx)
 
+    @torch.compiler.disable
     def _exit(self, module, args, kwargs, output):
         ctx = self._contexts.pop() if self._contexts else None
         if ctx is not None:
             ctx.__exit__(None, None, None)
 
     def _linear_input(self, module, args):
+        # Traced as a no-op when compiling (no graph break per linear): a compiled graph
+        # saves its own intermediates, so every compressed tensor is then per-group.
+        if torch.compiler.is_compiling():
+            return
         if self._contexts and self._contexts[-1] is not None and args:
             self.compressor.note_linear_input(args[0])
 

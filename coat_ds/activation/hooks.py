@@ -16,10 +16,10 @@ __all__ = ["SavedTensorCompressor", "COMPILE_MESSAGE"]
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 COMPILE_MESSAGE = (
-    "coat_ds.compress_activations does not support torch.compile: saved-tensor hooks inside a "
-    "compiled region are either traced away or run on fake tensors, so no memory would be saved. "
-    "Compile the model without compress_activations, or compress without compiling "
-    "(handle.remove() takes the hooks off).")
+    "coat_ds.compress_activations: the saved-tensor pack hook is being traced by torch.compile "
+    "(it must run eagerly, on real tensors, from AOTAutograd's save_for_backward). Compile with "
+    "graph breaks allowed at the compressed regions (no fullgraph=True over them), or call "
+    "handle.remove() before compiling.")
 
 
 def _root(t: torch.Tensor) -> torch.Tensor:

@@ -138,9 +138,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, *, 
     result = deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                                   config=ds_config, **kwargs)
     if coat_kwargs is not None:
-        from deepspeed.utils import logger
-
-        logger.info(state_memory_report(result[0]).describe())
+        # Every rank prints: partitions differ (the last rank holds the padding).
+        print(state_memory_report(result[0]).describe(), flush=True)
     return result
 
 

@@ -40,7 +40,16 @@ _ENGINE_KEYS = frozenset({
     "ds_version", "sparse_tensor_module_names"})
 
 
+def _split(path: str, tag: str | None) -> tuple[str, str | None]:
+    """Accept a save_dir (with tag or 'latest') or one tag's folder itself."""
+    if tag is None and not os.path.isfile(os.path.join(path, "latest")) and \
+            any(f.endswith("model_states.pt") for f in os.listdir(path)):
+        return os.path.dirname(os.path.abspath(path)), os.path.basename(os.path.abspath(path))
+    return path, tag
+
+
 def _tag_dir(load_dir: str, tag: str | None) -> str:
+    load_dir, tag = _split(load_dir, tag)
     if tag is None:
         latest = os.path.join(load_dir, "latest")
         if not os.path.isfile(latest):
@@ -232,10 +241,11 @@ def load_fp32_checkpoint(engine, ckpt) -> dict:
 
 def load_checkpoint(engine, load_dir: str, tag: str | None = None) -> tuple[str, dict]:
     """`engine.load_checkpoint` when the world size matches the saved one (bit-exact), else
-    consolidate and re-partition through the FP32 layout. Returns (path, client_state)."""
+    consolidate and re-partition through the FP32 layout. `load_dir` is a save_dir (then
+    `tag`, or its 'latest') or one tag's folder. Returns (path, client_state)."""
     ckpt_dir = _tag_dir(load_dir, tag)
     if saved_world_size(load_dir, tag) == engine.dp_world_size:
-        path, client_state = engine.load_checkpoint(load_dir, tag=os.path.basename(ckpt_dir))
+        path, client_state = engine.load_checkpoint(os.path.dirname(ckpt_dir), tag=os.path.basename(ckpt_dir))
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load {ckpt_dir}")
         return path, client_state

@@ -1,0 +1,106 @@
+"""Training text that needs no download, byte-level tokens, and stateless batch sampling.
+
+The default corpus is the running interpreter's own standard library (its .py files), found
+through `sysconfig`: real text on every machine with Python. Files go to train or validation
+by a hash of their relative path, so the split never depends on walk order. A user's text file
+(bytes, last `val_fraction` held out) or a pre-tokenised `.bin` (numpy array, nanoGPT-style)
+works too. A batch is a pure function of (seed, step, rank, micro-step), so a resumed run sees
+exactly the batches an uninterrupted one would.
+"""
+from __future__ import annotations
+
+import os
+import sysconfig
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["DataConfig", "TokenData", "load_data", "stdlib_corpus", "batch_seed"]
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from."""
+
+    source: str = "stdlib"  # "stdlib", a text file path, or a pre-tokenised .bin path
+    bin_dtype: str = "uint16"  # element type of a .bin file
+    val_fraction: float = 0.05  # share held out for evaluation (stdlib: share of files)
+    max_bytes: int = 32_000_000  # cap on stdlib text read (keeps start-up quick)
+
+    def __post_init__(self):
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction!r}")
+        if self.max_bytes <= 0:
+            raise ValueError(f"max_bytes must be > 0, got {self.max_bytes!r}")
+
+
+@dataclass(frozen=True)
+class TokenData:
+    train: torch.Tensor  # 1-D int64-castable token ids
+    val: torch.Tensor
+    vocab_size: int
+    description: str
+
+    def batch(self, split: str, batch_size: int, seq_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`batch_size` random windows of `seq_len + 1` tokens, chosen by `seed` alone."""
+        data = self.train if split == "train" else self.val
+        if data.numel() <= seq_len + 1:
+            raise ValueError(f"{split} split has {data.numel()} tokens, fewer than seq_len + 1 = {seq_len + 1}")
+        gen = torch.Generator().manual_seed(seed)
+        starts = torch.randint(0, data.numel() - seq_len - 1, (batch_size,), generator=gen)
+        windows = torch.stack([data[s:s + seq_len + 1] for s in starts.tolist()]).long()
+        return windows[:, :-1], windows[:, 1:]
+
+
+def batch_seed(seed: int, step: int, rank: int, micro: int, split: str = "train") -> int:
+    """One seed per (run seed, step, rank, micro-step, split); stable across Python versions."""
+    return zlib.crc32(f"{seed}/{split}/{step}/{rank}/{micro}".encode())
+
+
+def stdlib_corpus(max_bytes: int, val_fraction: float) -> tuple[bytes, bytes, int]:
+    """(train bytes, val bytes, number of files) from this interpreter's stdlib sources."""
+    root = sysconfig.get_paths()["stdlib"]
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__"))
+        files += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
+    train, val, used, total = [], [], 0, 0
+    for path in files:
+        rel = os.path.relpath(path, root)
+        with open(path, "rb") as f:
+            text = f.read()
+        bucket = val if zlib.crc32(rel.encode()) % 10_000 < val_fraction * 10_000 else train
+        bucket.append(text)
+        total += len(text)
+        used += 1
+        if total >= max_bytes:
+            break
+    if not train or not val:
+        raise RuntimeError(f"found too little Python source under {root} for a train/val split")
+    return b"".join(train), b"".join(val), used
+
+
+def _bytes_tensor(b: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(b), dtype=torch.uint8)
+
+
+def load_data(cfg: DataConfig) -> TokenData:
+    if cfg.source == "stdlib":
+        train, val, n = stdlib_corpus(cfg.max_bytes, cfg.val_fraction)
+        return TokenData(_bytes_tensor(train), _bytes_tensor(val), 256,
+                         f"stdlib sources ({n} files, {len(train):,} train / {len(val):,} val bytes)")
+    if not os.path.isfile(cfg.source):
+        raise FileNotFoundError(f"data source not found: {cfg.source} (use 'stdlib', a text file or a .bin)")
+    if cfg.source.endswith(".bin"):
+        arr = np.memmap(cfg.source, dtype=np.dtype(cfg.bin_dtype), mode="r")
+        tokens = torch.from_numpy(np.asarray(arr, dtype=np.int64))
+        vocab = int(tokens.max()) + 1
+    else:
+        with open(cfg.source, "rb") as f:
+            tokens = _bytes_tensor(f.read())
+        vocab = 256
+    cut = int(tokens.numel() * (1 - cfg.val_fraction))
+    return TokenData(tokens[:cut], tokens[cut:], vocab,
+                     f"{cfg.source} ({cut:,} train / {tokens.numel() - cut:,} val tokens)")

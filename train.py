@@ -1,0 +1,234 @@
+"""Train a Llama-style decoder with COAT's FP8-state optimizer under DeepSpeed.
+
+    deepspeed train.py --deepspeed ds_configs/coat_zero2.json --config configs/1b.yaml
+    DS_ACCELERATOR=cpu deepspeed --num_accelerators 2 train.py \
+        --deepspeed ds_configs/coat_zero2.json --config configs/tiny.yaml      # CPU-only machine
+
+Settings: the defaults in `TrainConfig`, then a YAML file (`--config`), then flags
+(`--max-steps 100`); the resolved result is printed at start. The DeepSpeed JSON owns the
+optimizer (`"type": "CoatAdamW"` or a torch AdamW baseline), batch sizes and ZeRO stage.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from coat_ds.data import DataConfig, TokenData, batch_seed, load_data
+from coat_ds.model import PRESETS, Llama, model_config
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Every setting of a run, with its default."""
+
+    # model and data
+    preset: str = "small"  # model size, one of coat_ds.model.PRESETS
+    seq_len: int = 256  # tokens per sequence
+    data: str = "stdlib"  # "stdlib" (Python's own sources), a text file, or a pre-tokenised .bin
+    bin_dtype: str = "uint16"  # element type of a .bin data file
+    val_fraction: float = 0.05  # share of the data held out for eval loss
+    max_data_bytes: int = 32_000_000  # cap on stdlib text read at start-up
+    # schedule (peak LR, betas and weight decay live in the DeepSpeed JSON)
+    max_steps: int = 1000  # optimizer steps
+    warmup_steps: int = 100  # linear LR warm-up
+    min_lr_ratio: float = 0.1  # cosine decays the LR to this share of its peak
+    seed: int = 1337  # model init and batch sampling
+    # logging, eval, checkpoints
+    log_interval: int = 10  # steps between log lines
+    eval_interval: int = 200  # steps between eval losses (0: only at the end)
+    eval_batches: int = 20  # micro-batches per rank in one eval
+    save_dir: str = ""  # where checkpoints go ("" = none)
+    save_interval: int = 0  # steps between checkpoints (0: only at the end)
+    resume: str = ""  # checkpoint folder to resume from (any data-parallel size)
+    metrics_file: str = ""  # JSON lines of every logged metric, written by rank 0
+    # engine
+    engine: str = "deepspeed"  # which entry in ENGINES sets the model up
+    deepspeed: str = "ds_configs/coat_zero2.json"  # DeepSpeed JSON config
+
+
+def parse_config(argv: list[str]) -> TrainConfig:
+    """Defaults <- YAML (`--config`) <- flags."""
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", help="YAML file with TrainConfig fields")
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    for name, f in fields.items():
+        kind = f.type if f.type in ("int", "float", "str") else "str"
+        ap.add_argument(f"--{name.replace('_', '-')}", f"--{name}", dest=name, default=None,
+                        type={"int": int, "float": float, "str": str}[kind], help=f"default: {f.default!r}")
+    args = ap.parse_args(argv)
+    values = {}
+    if args.config:
+        with open(args.config) as fh:
+            values = yaml.safe_load(fh) or {}
+        unknown = set(values) - set(fields)
+        if unknown:
+            raise SystemExit(f"{args.config}: unknown setting(s) {sorted(unknown)}; valid: {', '.join(fields)}")
+    values.update({k: v for k, v in vars(args).items() if k in fields and v is not None})
+    cfg = TrainConfig(**values)
+    if cfg.preset not in PRESETS:
+        raise SystemExit(f"unknown preset {cfg.preset!r}; choose from {', '.join(PRESETS)}")
+    if cfg.engine not in ENGINES:
+        raise SystemExit(f"unknown engine {cfg.engine!r}; choose from {', '.join(ENGINES)}")
+    return cfg
+
+
+def lr_factor(cfg: TrainConfig, step: int) -> float:
+    """Share of the peak LR at `step`: linear warm-up, then cosine to `min_lr_ratio`."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+# -- engines: each returns a Runner; the FSDP path adds its own setup function ----------------
+
+@dataclass
+class Runner:
+    """What the training loop needs from an engine."""
+
+    train_micro_step: callable  # (x, y) -> loss; the engine decides when the optimizer steps
+    eval_loss: callable  # (x, y) -> loss without gradients
+    save: callable  # (save_dir, tag, client_state) -> None
+    load: callable  # (load_dir) -> client_state
+    lr: callable  # () -> current learning rate
+    micro_batch: int  # sequences per rank per micro-step
+    grad_accum: int  # micro-steps per optimizer step
+    device: torch.device
+
+
+def setup_deepspeed(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
+    from coat_ds.integrations.deepspeed import initialize
+    from coat_ds.integrations.deepspeed_checkpoint import load_checkpoint
+
+    engine, _, _, _ = initialize(
+        model=model, config=cfg.deepspeed,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(cfg, s)))
+
+    def train_micro_step(x, y):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    @torch.no_grad()
+    def eval_loss(x, y):
+        engine.eval()
+        loss = engine(x, y)
+        engine.train()
+        return loss
+
+    def load(load_dir):
+        return load_checkpoint(engine, load_dir)[1]
+
+    return Runner(train_micro_step, eval_loss,
+                  save=lambda d, tag, client: engine.save_checkpoint(d, tag=tag, client_state=client),
+                  load=load, lr=lambda: engine.get_lr()[0],
+                  micro_batch=engine.train_micro_batch_size_per_gpu(),
+                  grad_accum=engine.gradient_accumulation_steps(), device=engine.device)
+
+
+ENGINES = {"deepspeed": setup_deepspeed}
+
+
+# -- the loop -------------------------------------------------------------------------------
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux: KiB; whole process
+
+
+def mean_over_ranks(values: list[torch.Tensor]) -> float:
+    t = torch.stack([v.detach().float() for v in values]).mean()
+    if dist.is_initialized():
+        dist.all_reduce(t)
+        t /= dist.get_world_size()
+    return t.item()
+
+
+def evaluate(cfg: TrainConfig, runner: Runner, data: TokenData, rank: int) -> float:
+    losses = []
+    for i in range(cfg.eval_batches):
+        x, y = data.batch("val", runner.micro_batch, cfg.seq_len, batch_seed(cfg.seed, i, rank, 0, "val"))
+        losses.append(runner.eval_loss(x.to(runner.device), y.to(runner.device)))
+    return mean_over_ranks(losses)
+
+
+def main(argv=None) -> None:
+    cfg = parse_config(sys.argv[1:] if argv is None else argv)
+    if cfg.engine == "deepspeed":
+        import deepspeed
+
+        deepspeed.init_distributed()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say("resolved config:\n" + yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False), flush=True)
+
+    data = load_data(DataConfig(cfg.data, cfg.bin_dtype, cfg.val_fraction, cfg.max_data_bytes))
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    mcfg = model_config(cfg.preset, vocab_size=max(256, data.vocab_size), max_seq_len=max(cfg.seq_len, 1))
+    model = Llama(mcfg)
+    say(f"data: {data.description}\nmodel: {cfg.preset}, {mcfg.num_params() / 1e6:.2f}M params", flush=True)
+
+    runner = ENGINES[cfg.engine](cfg, model)
+    start = 0
+    if cfg.resume:
+        start = int(runner.load(cfg.resume)["step"])
+        say(f"resumed from {cfg.resume} at step {start}", flush=True)
+    tokens_per_step = runner.micro_batch * runner.grad_accum * cfg.seq_len * world
+    say(f"{world} rank(s), micro-batch {runner.micro_batch} x grad-accum {runner.grad_accum} x seq {cfg.seq_len}: "
+        f"{tokens_per_step:,} tokens/step", flush=True)
+    metrics = open(cfg.metrics_file, "a") if cfg.metrics_file and rank == 0 else None
+
+    def record(**m):
+        if metrics:
+            metrics.write(json.dumps(m) + "\n")
+            metrics.flush()
+
+    def save(step: int) -> None:
+        runner.save(cfg.save_dir, f"step{step}", {"step": step, "train_config": dataclasses.asdict(cfg)})
+        say(f"saved checkpoint {cfg.save_dir}/step{step}", flush=True)
+
+    t0, t_start, window = time.perf_counter(), time.perf_counter(), []
+    for step in range(start, cfg.max_steps):
+        for micro in range(runner.grad_accum):
+            x, y = data.batch("train", runner.micro_batch, cfg.seq_len, batch_seed(cfg.seed, step, rank, micro))
+            window.append(runner.train_micro_step(x.to(runner.device), y.to(runner.device)))
+        done = step + 1
+        if done % cfg.log_interval == 0 or done == cfg.max_steps:
+            loss = mean_over_ranks(window)
+            steps_in_window = len(window) // runner.grad_accum
+            dt = time.perf_counter() - t0
+            tok_s = tokens_per_step * steps_in_window / dt
+            eta = (time.perf_counter() - t_start) / (done - start) * (cfg.max_steps - done)
+            mem = peak_memory_gb(runner.device)
+            say(f"step {done}/{cfg.max_steps} ({100 * done / cfg.max_steps:3.0f}%) | loss {loss:.4f} | "
+                f"lr {runner.lr():.2e} | {tok_s:,.0f} tok/s | peak mem {mem:.2f} GB | eta {eta:.0f}s", flush=True)
+            record(step=done, loss=loss, lr=runner.lr(), tokens_per_s=tok_s, peak_mem_gb=mem)
+            t0, window = time.perf_counter(), []
+        if (cfg.eval_interval and done % cfg.eval_interval == 0) or done == cfg.max_steps:
+            val = evaluate(cfg, runner, data, rank)
+            say(f"step {done}: eval loss {val:.4f}", flush=True)
+            record(step=done, eval_loss=val)
+            t0 = time.perf_counter()  # eval time is not training throughput
+        if cfg.save_dir and ((cfg.save_interval and done % cfg.save_interval == 0) or done == cfg.max_steps):
+            save(done)
+            t0 = time.perf_counter()
+    if metrics:
+        metrics.close()
+
+
+if __name__ == "__main__":
+    main()
