@@ -19,6 +19,7 @@ import resource
 import sys
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -98,11 +99,12 @@ def lr_factor(cfg: TrainConfig, step: int) -> float:
 class Runner:
     """What the training loop needs from an engine."""
 
-    train_micro_step: callable  # (x, y) -> loss; the engine decides when the optimizer steps
-    eval_loss: callable  # (x, y) -> loss without gradients
-    save: callable  # (save_dir, tag, client_state) -> None
-    load: callable  # (load_dir) -> client_state
-    lr: callable  # () -> current learning rate
+    train_micro_step: Callable  # (x, y) -> loss; the engine decides when the optimizer steps
+    eval_loss: Callable  # (x, y) -> loss without gradients
+    save: Callable  # (save_dir, tag, client_state) -> None
+    load: Callable  # (load_dir) -> client_state
+    lr: Callable  # () -> current learning rate
+    optimizer_state_bytes: Callable  # () -> bytes of optimizer state (moments) on this rank
     micro_batch: int  # sequences per rank per micro-step
     grad_accum: int  # micro-steps per optimizer step
     device: torch.device
@@ -132,9 +134,16 @@ def setup_deepspeed(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
     def load(load_dir):
         return load_checkpoint(engine, load_dir)[1]
 
+    def optimizer_state_bytes():
+        # Whatever the optimizer (CoatAdamW or the torch AdamW baseline): every state tensor
+        # but the step counter, on this rank's partition.
+        base = getattr(engine.optimizer, "optimizer", engine.optimizer)
+        return sum(t.numel() * t.element_size() for s in base.state.values() for k, t in s.items()
+                   if torch.is_tensor(t) and k != "step")
+
     return Runner(train_micro_step, eval_loss,
                   save=lambda d, tag, client: engine.save_checkpoint(d, tag=tag, client_state=client),
-                  load=load, lr=lambda: engine.get_lr()[0],
+                  load=load, lr=lambda: engine.get_lr()[0], optimizer_state_bytes=optimizer_state_bytes,
                   micro_batch=engine.train_micro_batch_size_per_gpu(),
                   grad_accum=engine.gradient_accumulation_steps(), device=engine.device)
 
@@ -148,6 +157,15 @@ def peak_memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux: KiB; whole process
+
+
+def max_over_ranks(value: float) -> float:
+    t = torch.tensor(float(value), dtype=torch.float64)
+    if dist.is_initialized():
+        if dist.get_backend() == "nccl":
+            t = t.cuda()
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
 
 
 def mean_over_ranks(values: list[torch.Tensor]) -> float:
@@ -207,15 +225,19 @@ def main(argv=None) -> None:
             x, y = data.batch("train", runner.micro_batch, cfg.seq_len, batch_seed(cfg.seed, step, rank, micro))
             window.append(runner.train_micro_step(x.to(runner.device), y.to(runner.device)))
         done = step + 1
+        if step == start:  # optimizer state exists once the first step ran
+            state_gb = max_over_ranks(runner.optimizer_state_bytes()) / 1e9
+            say(f"optimizer state: {state_gb:.4g} GB on the largest rank", flush=True)
+            record(step=done, optimizer_state_gb=state_gb)
         if done % cfg.log_interval == 0 or done == cfg.max_steps:
             loss = mean_over_ranks(window)
             steps_in_window = len(window) // runner.grad_accum
             dt = time.perf_counter() - t0
             tok_s = tokens_per_step * steps_in_window / dt
             eta = (time.perf_counter() - t_start) / (done - start) * (cfg.max_steps - done)
-            mem = peak_memory_gb(runner.device)
+            mem = max_over_ranks(peak_memory_gb(runner.device))
             say(f"step {done}/{cfg.max_steps} ({100 * done / cfg.max_steps:3.0f}%) | loss {loss:.4f} | "
-                f"lr {runner.lr():.2e} | {tok_s:,.0f} tok/s | peak mem {mem:.2f} GB | eta {eta:.0f}s", flush=True)
+                f"lr {runner.lr():.2e} | {tok_s:,.0f} tok/s | peak mem {mem:.2f} GB (max rank) | eta {eta:.0f}s", flush=True)
             record(step=done, loss=loss, lr=runner.lr(), tokens_per_s=tok_s, peak_mem_gb=mem)
             t0, window = time.perf_counter(), []
         if (cfg.eval_interval and done % cfg.eval_interval == 0) or done == cfg.max_steps:

@@ -78,12 +78,26 @@ def run_case(name: str, shapes, opt_name: str, iters: int) -> dict:
     return out
 
 
+def sweep(shapes, iters: int) -> None:
+    """Time CoatAdamW's step for each (groups per program, warps) launch shape."""
+    from coat_ds.kernels import adamw
+
+    for bg, nw in [(8, 4), (16, 4), (16, 8), (32, 8), (32, 4), (8, 8)]:
+        adamw.STEP_BLOCK_GROUPS, adamw.STEP_WARPS = bg, nw
+        r = run_case("flat", shapes, "coat", iters)
+        print(f"sweep BG={bg} warps={nw}: {r['ms']:.2f} ms", flush=True)
+    adamw.STEP_BLOCK_GROUPS, adamw.STEP_WARPS = 8, 8
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--numel", type=float, default=1.345e9)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--sweep", action="store_true", help="time launch shapes on the flat case first")
     args = ap.parse_args()
+    if args.sweep:
+        sweep([(int(args.numel),)], args.iters)
     bw = copy_bandwidth()
     rows = []
     cases = [("flat", [(int(args.numel),)]), ("llama-1.3B list", llama_shapes())]

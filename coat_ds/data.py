@@ -66,17 +66,21 @@ def stdlib_corpus(max_bytes: int, val_fraction: float) -> tuple[bytes, bytes, in
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__"))
         files += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
-    train, val, used, total = [], [], 0, 0
+    # Each split takes the files hashed to it until it holds its share of max_bytes.
+    budget = {"train": (1 - val_fraction) * max_bytes, "val": val_fraction * max_bytes}
+    texts, size, used = {"train": [], "val": []}, {"train": 0, "val": 0}, 0
     for path in files:
         rel = os.path.relpath(path, root)
+        split = "val" if zlib.crc32(rel.encode()) % 10_000 < val_fraction * 10_000 else "train"
+        if size[split] >= budget[split]:
+            if all(size[k] >= budget[k] for k in size):
+                break
+            continue
         with open(path, "rb") as f:
-            text = f.read()
-        bucket = val if zlib.crc32(rel.encode()) % 10_000 < val_fraction * 10_000 else train
-        bucket.append(text)
-        total += len(text)
+            texts[split].append(f.read())
+        size[split] += len(texts[split][-1])
         used += 1
-        if total >= max_bytes:
-            break
+    train, val = texts["train"], texts["val"]
     if not train or not val:
         raise RuntimeError(f"found too little Python source under {root} for a train/val split")
     return b"".join(train), b"".join(val), used

@@ -52,6 +52,16 @@ def _optim(params):
     return coat_ds.CoatAdamW(params, lr=LR, min_quant_numel=MIN_QUANT)
 
 
+def _optim_two_thresholds(model):
+    """Weights need 600 elements for FP8 moments: the (3, 256) weight has 768, but its
+    shards on 2 ranks have 512 and 256, so it is FP8 only if the decision is global."""
+    named = dict(model.named_parameters())
+    weights = [p for n, p in named.items() if n.endswith("blocks.0.weight") or n.endswith("blocks.1.weight")]
+    others = [p for n, p in named.items() if p not in set(weights)]
+    return coat_ds.CoatAdamW([{"params": weights, "min_quant_numel": 600}, {"params": others}],
+                             lr=LR, min_quant_numel=MIN_QUANT)
+
+
 def _train(model, optim, steps: range, rank: int, world: int) -> None:
     """Each rank takes its slice of the global batch; FSDP averages the gradients."""
     for s in steps:
@@ -118,7 +128,7 @@ def _fsdp2_train_worker(rank, world, init, hidden, out):
     _init(rank, world, init)
     torch.manual_seed(0)
     model = setup_fsdp(Net(hidden), mode="fsdp2")
-    optim = _optim(model.parameters())
+    optim = _optim_two_thresholds(model)
     _train(model, optim, range(5), rank, world)
     params = _full_params(model)
     full_osd = _full_optim_state(model, optim)
@@ -131,14 +141,16 @@ def test_fsdp2_matches_single_process_bitwise(tmp_path):
     """With FSDP2 every 2-D weight is sharded by rows and groups never cross rows, so each
     rank quantizes exactly the groups the single process does; the hidden bias (256 =
     2 x 128) splits on a group boundary. Gradients are the same sums. So parameters and
-    the gathered FP8 state must be bit-identical, not merely close."""
+    the gathered FP8 state must be bit-identical, not merely close. The state keys also
+    show that FP32-or-FP8 was decided on whole tensors, not on shards."""
     out = tmp_path / "fsdp2.pt"
     _spawn(_fsdp2_train_worker, 2, tmp_path, 256, str(out))
     got = torch.load(out)
     torch.manual_seed(0)
     ref_model = Net(256)
-    ref_optim = _optim(ref_model.parameters())
+    ref_optim = _optim_two_thresholds(ref_model)
     _train_single(ref_model, ref_optim, range(5), 2)
+    assert "exp_avg_codes" in ref_optim.state[ref_model.blocks[1].weight]
     for k, v in ref_model.state_dict().items():
         _assert_bitwise(got["params"][k], v, k)
     ref_state = {name: ref_optim.state[p] for name, p in ref_model.named_parameters()}
@@ -332,11 +344,18 @@ def _fsdp1_ckpt_worker(rank, world, init, use_orig_params, ckpt):
         fsdp1_load_optim_state_dict(model3, optim3, full)
     _check_requantized(fp32, optim3)
 
-    # Resuming from the DCP checkpoint continues within FP8 noise of not stopping.
+    # Resuming from the DCP checkpoint continues within one FP8 rounding of not stopping:
+    # re-quantizing moves each moment by at most half an E4M3 step (2^-4 relative, more
+    # where DRE compresses a group's range), so the next updates move by about as much.
+    start = [p.detach().clone() for p in model.parameters()]
     _train(model, optim, range(3, 5), rank, world)
     _train(model2, optim2, range(3, 5), rank, world)
-    for a, b in zip(model.parameters(), model2.parameters()):
-        assert torch.allclose(a, b, rtol=0, atol=0.05 * LR), (a - b).abs().max()
+    num = sum(float((a - b).norm() ** 2) for a, b in zip(model.parameters(), model2.parameters()))
+    den = sum(float((a - s).norm() ** 2) for a, s in zip(model.parameters(), start))
+    gaps = [None] * world
+    dist.all_gather_object(gaps, (num, den))
+    gap = (sum(n for n, _ in gaps) / sum(d for _, d in gaps)) ** 0.5
+    assert 0 <= gap < 0.125, gap
     dist.destroy_process_group()
 
 
@@ -348,7 +367,7 @@ def _check_requantized(fp32: dict, optim) -> None:
         assert torch.equal(loaded[pid]["step"], state["step"])
         for name in ("exp_avg", "exp_avg_sq"):
             a, b = state[name], loaded[pid][name]
-            assert torch.all((a - b).abs() <= 0.25 * a.abs() + 1e-30), (pid, name)
+            assert torch.all((a - b).abs() <= 0.25 * a.abs() + 1e-30), (pid, name, a[:5], b[:5], a.shape)
 
 
 @pytest.mark.parametrize("use_orig_params", [True, False])

@@ -191,8 +191,9 @@ class StateMemoryReport:
 
     def describe(self) -> str:
         return (f"CoatAdamW rank {self.rank}: optimizer state for {self.numel:,} params on {self.device}: "
-                f"{self.bytes_per_param:.3f} bytes/param, {self.state_bytes / 1e9:.4f} GB "
-                f"(FP32 AdamW {self.fp32_adamw_bytes / 1e9:.4f} GB) -> saves {self.saved_gb:.4f} GB on this rank")
+                f"{self.bytes_per_param:.3f} bytes/param, {self.state_bytes / 1e9:.4g} GB "
+                f"(FP32 AdamW: 8 bytes/param, {self.fp32_adamw_bytes / 1e9:.4g} GB) -> saves {self.saved_gb:.4g} GB "
+                "on this rank")
 
 
 def state_memory_report(engine) -> StateMemoryReport:

@@ -19,7 +19,9 @@ Command line: `python -m coat_ds.integrations.deepspeed_checkpoint CKPT_DIR OUT.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import itertools
 import os
 
@@ -136,6 +138,10 @@ def consolidate_checkpoint(load_dir: str, tag: str | None = None) -> dict:
         raise ValueError(f"{ckpt_dir}: optimizer tensors were stepped unequal times {sorted(steps)}")
 
     def per_param(flat_groups: list[list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+        with contextlib.redirect_stdout(io.StringIO()):  # zero_to_fp32 narrates every call
+            return _per_param(flat_groups)
+
+    def _per_param(flat_groups: list[list[torch.Tensor]]) -> dict[str, torch.Tensor]:
         if stage <= 2:
             sd = z._get_fp32_state_dict_from_zero2_checkpoint(world, flat_groups, model_states, True,
                                                               sds[0].get("param_alignment_paddings"))

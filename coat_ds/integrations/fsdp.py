@@ -2,7 +2,7 @@
 
 A training loop needs three calls besides its own code:
 
-    model = setup_fsdp(model, FsdpConfig(mode="fsdp2"))      # or mode="fsdp1"
+    model = setup_fsdp(model, mode="fsdp2")                   # or mode="fsdp1", activation=ActivationConfig()
     optim = coat_ds.CoatAdamW(model.parameters(), lr=...)
     ...
     save_checkpoint(path, model, optim, step)                 # every rank
@@ -34,10 +34,19 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp import MixedPrecision, ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
+from torch.distributed.fsdp import (
+    MixedPrecision,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictType,
+)
 from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 
+from ..activation import compress_activations
+from ..config import ActivationConfig
 from ..optim.sharded import mark_global_numel
+from ..optim.state import MOMENTS
 
 __all__ = ["FsdpConfig", "setup_fsdp", "save_checkpoint", "load_checkpoint",
            "fsdp1_optim_state_dict", "fsdp1_load_optim_state_dict", "is_fsdp1", "is_fsdp2"]
@@ -54,7 +63,7 @@ class FsdpConfig:
     use_orig_params: bool = True  # FSDP1 only: expose the original parameters (True) or one FlatParameter per unit
     reshard_after_forward: bool = True  # free gathered parameters after forward (ZeRO-3-like) or keep them to backward
     param_dtype: torch.dtype | None = None  # compute dtype of gathered parameters (e.g. torch.bfloat16); None: as stored
-    compress: Callable[[nn.Module], nn.Module | None] | None = None  # activation-compression hook, applied before sharding
+    activation: ActivationConfig | None = None  # FP8 activation compression of the whole model (None: off)
 
     def __post_init__(self):
         if self.mode not in _MODES:
@@ -93,8 +102,9 @@ def setup_fsdp(model: nn.Module, config: FsdpConfig | None = None, **overrides) 
     if not dist.is_initialized():
         raise RuntimeError("setup_fsdp needs torch.distributed initialised (torchrun + init_process_group)")
     config = FsdpConfig(**overrides) if config is None else config
-    if config.compress is not None:
-        model = config.compress(model) or model
+    if config.activation is not None:
+        # Hooks on the unsharded modules; `coat_ds.activation_stats(model)` reads them.
+        compress_activations(model, config=config.activation)
     for p in model.parameters():
         mark_global_numel(p, p.numel())
     units = _units(model, config.wrap)
@@ -110,8 +120,9 @@ def setup_fsdp(model: nn.Module, config: FsdpConfig | None = None, **overrides) 
     if config.param_dtype is not None:
         mp = MixedPrecision(param_dtype=config.param_dtype, reduce_dtype=torch.float32, buffer_dtype=config.param_dtype)
     policy = partial(lambda_auto_wrap_policy, lambda_fn=lambda m: id(m) in unit_ids)
+    strategy = ShardingStrategy.FULL_SHARD if config.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
     return FSDP(model, auto_wrap_policy=policy, device_id=_device(), use_orig_params=config.use_orig_params,
-                mixed_precision=mp)
+                mixed_precision=mp, sharding_strategy=strategy)
 
 
 def is_fsdp2(model: nn.Module) -> bool:
@@ -130,7 +141,21 @@ def fsdp1_optim_state_dict(model: nn.Module, optim) -> dict:
     force) of a CoatAdamW, in torch.optim.AdamW's layout: FSDP1 gathers and unflattens
     only FP32 tensors shaped like its flat shards, so the moments go through FP32."""
     _ensure_state(optim)
-    return FSDP.optim_state_dict(model, optim, optim.fp32_state_dict())
+    fp32 = optim.fp32_state_dict()
+    # One moment per call: FSDP1 gathers every state name of a FlatParameter into one
+    # reused buffer and returns views of it, which alias when nothing copies them off the
+    # device (CPU training): exp_avg would come back holding exp_avg_sq.
+    merged: dict | None = None
+    for name in MOMENTS:
+        only = {pid: {k: v for k, v in state.items() if k not in MOMENTS or k == name}
+                for pid, state in fp32["state"].items()}
+        osd = FSDP.optim_state_dict(model, optim, {**fp32, "state": only})
+        if merged is None:
+            merged = osd
+        else:
+            for fqn, state in osd["state"].items():
+                merged["state"].setdefault(fqn, {}).update({name: state[name]} if name in state else {})
+    return merged
 
 
 def fsdp1_load_optim_state_dict(model: nn.Module, optim, osd: dict) -> None:
@@ -184,7 +209,11 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optim) -> int:
     else:
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
     state["train"] = {"step": torch.zeros((), dtype=torch.int64)}
-    dcp.load(state, checkpoint_id=os.fspath(path))
+    # FSDP1's ShardedTensors of parameters this rank holds no element of have no local
+    # shard; DCP's default flattening drops them, finds keys "missing" and mistakes the
+    # checkpoint for the pre-2.4 layout. Unflattened they simply read nothing.
+    planner = dcp.DefaultLoadPlanner(flatten_sharded_tensors=False) if is_fsdp1(model) else None
+    dcp.load(state, checkpoint_id=os.fspath(path), planner=planner)
     if is_fsdp1(model):
         with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(),
                                   ShardedOptimStateDictConfig()):

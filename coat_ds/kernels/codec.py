@@ -1,9 +1,11 @@
 """Triton device functions shared by every kernel: FP8 encode/decode and group (de)quantization.
 
-FP8 casts are done with integer bit operations rather than `x.to(tl.float8e4nv)`: Triton's
-interpreter mis-rounds that cast (ties away from even, subnormals truncated), and the bit
-version rounds to nearest even exactly like the hardware and torch, so the code path tested
-on CPU is the one that runs on the GPU. Formats are passed as constexpr ints: 0 = E4M3, 1 = E5M2.
+Every function takes a constexpr HW: True when compiled for a GPU, False under Triton's
+interpreter. On the GPU, FP8 casts use the hardware's saturating round-to-nearest-even
+conversions and log2 the special-function unit (a precise log2 costs ~20 instructions and
+made the optimizer step compute-bound). The interpreter mis-rounds FP8 casts (ties away
+from even, subnormals truncated), so there the casts are integer bit operations that round
+exactly like the hardware and torch. Formats are constexpr ints: 0 = E4M3, 1 = E5M2.
 """
 import triton
 import triton.language as tl
@@ -17,8 +19,59 @@ def fmt_max(FMT: tl.constexpr):
 
 
 @triton.jit
-def encode_fp8(x, FMT: tl.constexpr):
+def log2(x, HW: tl.constexpr):
+    # The .ftz forms are one special-function instruction; without .ftz ptxas wraps each in
+    # subnormal range fix-ups. Callers treat subnormal magnitudes as zero on the GPU.
+    if HW:
+        return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return tl.log2(x)
+
+
+@triton.jit
+def exp2(x, HW: tl.constexpr):
+    if HW:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return tl.exp2(x)
+
+
+@triton.jit
+def rcp(x, HW: tl.constexpr):
+    if HW:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return 1.0 / x
+
+
+@triton.jit
+def encode_fp8(x, FMT: tl.constexpr, HW: tl.constexpr):
     """float32 -> uint8 FP8 code, round to nearest even, saturating at the format's max."""
+    if HW:
+        # Hopper's conversion (cvt.rn.satfinite) already saturates.
+        if FMT == 0:
+            return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            return x.to(tl.float8e5).to(tl.uint8, bitcast=True)
+    return _encode_fp8_bits(x, FMT)
+
+
+@triton.jit
+def decode_fp8(code, FMT: tl.constexpr, HW: tl.constexpr):
+    """uint8 FP8 code -> float32 (no NaN/inf codes are ever written)."""
+    if HW:
+        if FMT == 0:
+            return code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            return code.to(tl.float8e5, bitcast=True).to(tl.float32)
+    return _decode_fp8_bits(code, FMT)
+
+
+@triton.jit
+def _encode_fp8_bits(x, FMT: tl.constexpr):
     if FMT == 0:
         MB: tl.constexpr = 3
         BIAS: tl.constexpr = 7
@@ -44,8 +97,7 @@ def encode_fp8(x, FMT: tl.constexpr):
 
 
 @triton.jit
-def decode_fp8(code, FMT: tl.constexpr):
-    """uint8 FP8 code -> float32 (no NaN/inf codes are ever written)."""
+def _decode_fp8_bits(code, FMT: tl.constexpr):
     if FMT == 0:
         MB: tl.constexpr = 3
         BIAS: tl.constexpr = 7
@@ -80,46 +132,71 @@ def pow2(e):
 
 
 @triton.jit
-def quantize_tile(x, FMT: tl.constexpr, DRE: tl.constexpr, DRE_KNUM: tl.constexpr):
+def scale_exponent(ymax, FMT: tl.constexpr):
+    """Exact ceil(log2(ymax / max)) for positive normal ymax, from its bits: both formats'
+    max is 1.75 * 2**E, so it is ymax's exponent - E, plus one when its mantissa > 1.75."""
+    if FMT == 0:
+        E: tl.constexpr = 8
+    else:
+        E: tl.constexpr = 15
+    bits = ymax.to(tl.int32, bitcast=True)
+    return ((bits >> 23) & 0xFF) - (127 + E) + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+
+
+@triton.jit
+def quantize_tile(x, FMT: tl.constexpr, DRE: tl.constexpr, DRE_KNUM: tl.constexpr, HW: tl.constexpr):
     """Quantize a [groups, G] float32 tile, one group per row; masked lanes must hold 0.
 
-    Returns (codes uint8, center f32, kcode uint8, sexp int8); see reference.quantize_groups."""
+    Returns (codes uint8, center f32, kcode uint8, sexp int8); see reference.quantize_groups.
+    Per-group values come from the row's max and min: the largest y is the image of the
+    largest |x| under the same formula, so it needs no second reduction. On the GPU,
+    subnormal magnitudes count as zero (its log2 flushes them), so a group's min is clamped
+    to the smallest normal and a group of only subnormals is a zero group."""
     a = tl.abs(x)
     amax = tl.max(a, axis=1)
     amin = tl.min(tl.where(a > 0, a, float("inf")), axis=1)
-    nonzero = amax > 0
+    if HW:
+        nonzero = amax >= 1.1754943508222875e-38
+        amin = tl.maximum(amin, 1.1754943508222875e-38)
+    else:
+        nonzero = amax > 0
+    lmax = log2(amax, HW)
     if DRE:
-        log2r = tl.log2(amax) - tl.log2(amin)
-        kf = tl.floor(DRE_KNUM / log2r)
+        log2r = lmax - log2(amin, HW)
+        kf = tl.floor(DRE_KNUM * rcp(log2r, HW))
         kf = tl.where(log2r > 0, kf, 128.0)
         kf = tl.minimum(tl.maximum(kf, 1.0), 128.0)
-        center = tl.where(amax == amin, amax, tl.sqrt_rn(amax) * tl.sqrt_rn(amin))
+        center = tl.where(amax == amin, amax, tl.sqrt(amax) * tl.sqrt(amin))
     else:
         kf = tl.full(amax.shape, 16.0, tl.float32)
         center = amax
     kf = tl.where(nonzero, kf, 16.0)
     center = tl.where(nonzero, center, 1.0)
-    lc = tl.log2(center)
+    lc = log2(center, HW)
     k = kf * 0.0625
-    y = tl.where(a > 0, tl.exp2(k[:, None] * (tl.log2(a) - lc[:, None])), 0.0)
-    ymax = tl.where(nonzero, tl.max(y, axis=1), 1.0)
-    tbits = (ymax / fmt_max(FMT)).to(tl.int32, bitcast=True)
-    sexp = ((tbits >> 23) & 0xFF) - 127 + ((tbits & 0x7FFFFF) != 0).to(tl.int32)
-    sexp = tl.where(nonzero, sexp, 0)
-    q = tl.minimum(y * pow2(-sexp)[:, None], fmt_max(FMT))
+    if HW:
+        # log2(0) = -inf and exp2(-inf) = 0: zeros need no select here.
+        y = exp2(k[:, None] * (log2(a, HW) - lc[:, None]), HW)
+    else:
+        y = tl.where(a > 0, exp2(k[:, None] * (log2(a, HW) - lc[:, None]), HW), 0.0)
+    ymax = tl.where(nonzero, exp2(k * (lmax - lc), HW), 1.0)
+    sexp = tl.where(nonzero, scale_exponent(ymax, FMT), 0)
+    q = y * pow2(-sexp)[:, None]
+    if not HW:
+        q = tl.minimum(q, fmt_max(FMT))  # the hardware conversion saturates by itself
     q = tl.where(x < 0, -q, q)
-    return encode_fp8(q, FMT), center, kf.to(tl.uint8), sexp.to(tl.int8)
+    return encode_fp8(q, FMT, HW), center, kf.to(tl.uint8), sexp.to(tl.int8)
 
 
 @triton.jit
-def dequantize_tile(codes, center, kcode, sexp, FMT: tl.constexpr):
+def dequantize_tile(codes, center, kcode, sexp, FMT: tl.constexpr, HW: tl.constexpr):
     """Inverse of quantize_tile on a [groups, G] tile of codes.
 
     |x| = 2 ** (log2(|q| * 2**e) / k + log2(c)): summing logs cannot overflow where a
     product of y ** (1/k) and c could; y == 1 (a constant group) returns c itself, exactly."""
-    q = decode_fp8(codes, FMT)
+    q = decode_fp8(codes, FMT, HW)
     y = tl.abs(q) * pow2(sexp.to(tl.int32))[:, None]
-    t = tl.log2(y) * (16.0 / kcode.to(tl.float32))[:, None]
-    a = tl.where(t == 0.0, center[:, None], tl.exp2(t + tl.log2(center)[:, None]))
+    t = log2(y, HW) * (16.0 * rcp(kcode.to(tl.float32), HW))[:, None]
+    a = tl.where(t == 0.0, center[:, None], exp2(t + log2(center, HW)[:, None], HW))
     a = tl.minimum(a, 3.4028234663852886e38)
     return tl.where(q < 0, -a, a)

@@ -15,7 +15,7 @@ __all__ = [
     "encode_fp8",
     "decode_fp8",
     "cast_fp8",
-    "ceil_log2",
+    "scale_exponent",
     "pow2",
     "quantize_groups",
     "dequantize_groups",
@@ -47,10 +47,13 @@ def cast_fp8(x: torch.Tensor, fmt="e4m3") -> tuple[torch.Tensor, torch.Tensor]:
     return codes, decode_fp8(codes, f)
 
 
-def ceil_log2(t: torch.Tensor) -> torch.Tensor:
-    """Exact ceil(log2(t)) for positive normal float32 `t`, read from its bits (int32)."""
-    bits = t.view(torch.int32)
-    return ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+def scale_exponent(ymax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """Exact ceil(log2(ymax / fmt.max)) (int32) for positive normal float32 `ymax`: both
+    formats' max is 1.75 * 2**E, so it is ymax's exponent - E, plus one when its mantissa
+    exceeds 1.75."""
+    bits = ymax.view(torch.int32)
+    e = int(fmt.log2_max)
+    return ((bits >> 23) & 0xFF) - (127 + e) + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
 
 
 def pow2(e: torch.Tensor) -> torch.Tensor:
@@ -83,9 +86,10 @@ def _quantize_grouped(xg: torch.Tensor, fmt: Fp8Format, dre: bool) -> QuantizedG
     amax = a.amax(-1)
     amin = torch.where(a > 0, a, float("inf")).amin(-1)
     nonzero = amax > 0
+    lmax = torch.log2(amax)
     if dre:
         # k stretches (or, below 1, compresses) the group's range onto the format's.
-        log2r = torch.log2(amax) - torch.log2(amin)
+        log2r = lmax - torch.log2(amin)
         kf = torch.floor(_div(K_ONE * fmt.dre_log2_range, log2r))
         kf = torch.where(log2r > 0, kf, float(K_MAX_CODE)).clamp_(1, K_MAX_CODE)
         center = torch.where(amax == amin, amax, torch.sqrt(amax) * torch.sqrt(amin))
@@ -97,8 +101,8 @@ def _quantize_grouped(xg: torch.Tensor, fmt: Fp8Format, dre: bool) -> QuantizedG
     lc = torch.log2(center)
     k = kf / K_ONE
     y = torch.where(a > 0, torch.exp2(k[..., None] * (torch.log2(a) - lc[..., None])), 0.0)
-    ymax = torch.where(nonzero, y.amax(-1), 1.0)
-    sexp = torch.where(nonzero, ceil_log2(ymax / fmt.max), 0)
+    ymax = torch.where(nonzero, torch.exp2(k * (lmax - lc)), 1.0)  # the image of amax
+    sexp = torch.where(nonzero, scale_exponent(ymax, fmt), 0)
     q = torch.clamp(y * pow2(-sexp)[..., None], max=fmt.max)
     q = torch.where(xg < 0, -q, q)
     return QuantizedGroups(encode_fp8(q, fmt), center, kf.to(torch.uint8), sexp.to(torch.int8))
@@ -201,8 +205,10 @@ def act_scale_exponent(amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
 
 
 def _act_decode(codes: torch.Tensor, e: torch.Tensor, fmt: Fp8Format, dtype: torch.dtype) -> torch.Tensor:
+    """float32 values, clamped to `dtype`'s finite range: rounding up at the top of that
+    range (fp16 65504 -> 65536) must not turn a finite input into inf."""
     out_max = torch.finfo(dtype).max
-    return (decode_fp8(codes, fmt) * pow2(e)).clamp_(-out_max, out_max).to(dtype)
+    return (decode_fp8(codes, fmt) * pow2(e)).clamp_(-out_max, out_max)
 
 
 def act_quantize_tensor(x: torch.Tensor, fmt="e4m3") -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,7 +222,7 @@ def act_quantize_tensor(x: torch.Tensor, fmt="e4m3") -> tuple[torch.Tensor, torc
 
 def act_dequantize_tensor(codes: torch.Tensor, exp: torch.Tensor, fmt="e4m3",
                           dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return _act_decode(codes, exp, get_format(fmt), dtype)
+    return _act_decode(codes, exp, get_format(fmt), dtype).to(dtype)
 
 
 def act_quantize_rows(x: torch.Tensor, group_size: int = 16, fmt="e4m3") -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,5 +237,5 @@ def act_quantize_rows(x: torch.Tensor, group_size: int = 16, fmt="e4m3") -> tupl
 
 def act_dequantize_rows(codes: torch.Tensor, exps: torch.Tensor, group_size: int = 16, fmt="e4m3",
                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    x = _act_decode(_grouped(codes, group_size), exps.to(torch.int32)[..., None], get_format(fmt), torch.float32)
+    x = _act_decode(_grouped(codes, group_size), exps.to(torch.int32)[..., None], get_format(fmt), dtype)
     return _ungrouped(x, codes.shape).to(dtype).contiguous()

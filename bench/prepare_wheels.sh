@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Run HERE (not on the GPU machine): put DeepSpeed and the packages it needs that the device
+# image lacks (hjson, pydantic, pydantic-core, annotated-types, typing-inspection) into .whl/
+# as Python 3.12 x86-64 wheels. .whl/ is git-ignored; the device tool carries it (carry: [".whl"]).
+# DeepSpeed ships only an sdist, so it is built into a pure-Python wheel with no pre-built ops
+# (DS_BUILD_OPS=0: ops are JIT-built if ever needed; CoatAdamW and torch AdamW need none).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-/work/venv/bin/python}
+mkdir -p .whl
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .whl pydantic==2.14.3 pydantic_core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 hjson==3.1.0
+tmp=$(mktemp -d)
+"$PY" -m pip download -q --no-deps --no-binary=:all: -d "$tmp" deepspeed==0.19.8
+DS_BUILD_OPS=0 DS_ACCELERATOR=cuda "$PY" -m pip wheel -q --no-deps --no-build-isolation "$tmp"/deepspeed-0.19.8.tar.gz -w .whl
+rm -rf "$tmp"
+ls -la .whl
