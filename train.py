@@ -1,8 +1,10 @@
 """Train a Llama-style decoder with COAT's FP8-state optimizer under DeepSpeed.
 
     deepspeed train.py --deepspeed ds_configs/coat_zero2.json --config configs/1b.yaml
-    DS_ACCELERATOR=cpu deepspeed --num_accelerators 2 train.py \
-        --deepspeed ds_configs/coat_zero2.json --config configs/tiny.yaml      # CPU-only machine
+
+    # a CPU-only machine: DeepSpeed's CPU accelerator, 2 processes over gloo
+    DS_ACCELERATOR=cpu deepspeed --num_accelerators 2 train.py \\
+        --deepspeed ds_configs/coat_zero2.json --config configs/tiny.yaml
 
 Settings: the defaults in `TrainConfig`, then a YAML file (`--config`), then flags
 (`--max-steps 100`); the resolved result is printed at start. The DeepSpeed JSON owns the
@@ -14,7 +16,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import resource
 import sys
 import time

@@ -82,11 +82,12 @@ def sweep(shapes, iters: int) -> None:
     """Time CoatAdamW's step for each (groups per program, warps) launch shape."""
     from coat_ds.kernels import adamw
 
-    for bg, nw in [(8, 4), (16, 4), (16, 8), (32, 8), (32, 4), (8, 8)]:
+    default = adamw.STEP_BLOCK_GROUPS, adamw.STEP_WARPS
+    for bg, nw in [(8, 4), (16, 4), (16, 8), (32, 8)]:
         adamw.STEP_BLOCK_GROUPS, adamw.STEP_WARPS = bg, nw
         r = run_case("flat", shapes, "coat", iters)
         print(f"sweep BG={bg} warps={nw}: {r['ms']:.2f} ms", flush=True)
-    adamw.STEP_BLOCK_GROUPS, adamw.STEP_WARPS = 8, 8
+    adamw.STEP_BLOCK_GROUPS, adamw.STEP_WARPS = default
 
 
 def main() -> None:

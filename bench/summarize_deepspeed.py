@@ -44,7 +44,7 @@ def main() -> None:
         ratio_state = f"{r['optimizer_state_gb'] / base['optimizer_state_gb']:.3f}x" if base else ""
         ratio_speed = f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}x" if base else ""
         print(f"| {r['config']} | {r['steps']} | {r['loss']:.4f} | {r['tokens_per_s']:,.0f} | {r['peak_mem_gb']:.2f} | "
-              f"{r['optimizer_state_gb']:.3f} | {ratio_state} | {ratio_speed} |")
+              f"{r['optimizer_state_gb']:.4g} | {ratio_state} | {ratio_speed} |")
 
 
 if __name__ == "__main__":

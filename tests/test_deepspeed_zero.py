@@ -273,7 +273,7 @@ def test_zero2_offload_steps_on_host(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_resume_two_ranks_on_one(runs, stage):
     two = runs(stage)
     _launch(1, "reshard", stage, runs.out)

@@ -7,19 +7,24 @@ a multiple of 2 * 128) and a 3-element bias that keeps FP32 moments.
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 import coat_ds
 from coat_ds.integrations.fsdp import (
+    clip_grad_norm_,
     fsdp1_load_optim_state_dict,
     fsdp1_optim_state_dict,
     load_checkpoint,
@@ -236,6 +241,18 @@ def _fsdp2_ckpt_worker(rank, world, init, ckpt):
         for k in a:
             _assert_bitwise(b[k], a[k], f"param {i} {k}")
 
+    # A full (gathered) optimizer state dict loads back bit-exactly as well.
+    full = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
+    full = {"state": {k: {n: v.clone() for n, v in st.items()} for k, st in full["state"].items()},
+            "param_groups": full["param_groups"]}
+    torch.manual_seed(2)
+    model3 = setup_fsdp(Net(300), mode="fsdp2")
+    optim3 = _optim(model3.parameters())
+    set_optimizer_state_dict(model3, optim3, full, options=StateDictOptions(full_state_dict=True))
+    for i, (a, b) in enumerate(zip(saved, _local_state(optim3))):
+        for k in a:
+            _assert_bitwise(b[k], a[k], f"full: param {i} {k}")
+
     _train(model, optim, range(3, 5), rank, world)
     _train(model2, optim2, range(3, 5), rank, world)
     for (k, a), b in zip(_full_params(model).items(), _full_params(model2).values()):
@@ -244,6 +261,8 @@ def _fsdp2_ckpt_worker(rank, world, init, ckpt):
 
 
 def test_fsdp2_dcp_roundtrip_resumes_identically(tmp_path):
+    """DCP save/load (sharded) and a full optimizer state dict both restore every rank's
+    FP8 codes, scales and step bit-exactly; training then continues bit-identically."""
     _spawn(_fsdp2_ckpt_worker, 2, tmp_path, str(tmp_path / "ckpt"))
 
 
@@ -373,3 +392,71 @@ def _check_requantized(fp32: dict, optim) -> None:
 @pytest.mark.parametrize("use_orig_params", [True, False])
 def test_fsdp1_checkpoints(tmp_path, use_orig_params):
     _spawn(_fsdp1_ckpt_worker, 2, tmp_path, use_orig_params, str(tmp_path / "ckpt"))
+
+
+# -- setup_fsdp's activation-compression hook-in -------------------------------------------------
+
+
+def _fsdp2_activation_worker(rank, world, init, out):
+    _init(rank, world, init)
+    losses = {}
+    for compress in (False, True):
+        torch.manual_seed(0)
+        model = setup_fsdp(Net(256), mode="fsdp2",
+                           activation=coat_ds.ActivationConfig(min_numel=0) if compress else None)
+        optim = _optim(model.parameters())
+        x, y = _batch(0)
+        for _ in range(3):
+            loss = ((model(x.chunk(world)[rank]) - y.chunk(world)[rank]) ** 2).mean()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+        losses[compress] = float(loss)
+        if compress:
+            stats = coat_ds.activation_stats(model)
+            assert stats is not None and stats.compressed_tensors > 0
+            assert stats.compressed_bytes < stats.uncompressed_bytes
+    if rank == 0:
+        torch.save(losses, out)
+    dist.destroy_process_group()
+
+
+def test_fsdp2_with_activation_compression(tmp_path):
+    """`activation=` puts FP8 saved-tensor hooks on the model before sharding; training still
+    runs under FSDP2 and fits the same batch about as well as without compression."""
+    _spawn(_fsdp2_activation_worker, 2, tmp_path, str(tmp_path / "losses.pt"))
+    losses = torch.load(tmp_path / "losses.pt")
+    assert abs(losses[True] - losses[False]) <= 0.05 * losses[False], losses
+
+
+# -- gradient clipping over shards ---------------------------------------------------------------
+
+
+def _clip_worker(rank, world, init, mode, out):
+    _init(rank, world, init)
+    torch.manual_seed(0)
+    model = setup_fsdp(Net(300), mode=mode)
+    x, y = _batch(0)
+    ((model(x.chunk(world)[rank]) - y.chunk(world)[rank]) ** 2).mean().backward()
+    before = clip_grad_norm_(model, 0.1)
+    after = clip_grad_norm_(model, 0.1)
+    if rank == 0:
+        torch.save((before, after), out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["fsdp2", "fsdp1"])
+def test_clip_grad_norm_is_global(tmp_path, mode):
+    """The norm is over the whole model (all shards), as one process computes it, and
+    clipping brings it to max_norm."""
+    _spawn(_clip_worker, 2, tmp_path, mode, str(tmp_path / "norms.pt"))
+    before, after = torch.load(tmp_path / "norms.pt")
+    torch.manual_seed(0)
+    ref = Net(300)
+    x, y = _batch(0)
+    for xs, ys in zip(x.chunk(2), y.chunk(2)):
+        (((ref(xs) - ys) ** 2).mean() / 2).backward()
+    expected = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf")))
+    assert expected > 0.1
+    assert before == pytest.approx(expected, rel=1e-5)
+    assert after == pytest.approx(0.1, rel=1e-4)

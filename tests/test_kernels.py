@@ -127,29 +127,34 @@ def test_adamw_step_matches_reference(tri, device, quant, pdt, gdt):
     skipped_a = torch.zeros((), dtype=torch.int64, device=device)
     skipped_b = torch.zeros((), dtype=torch.int64, device=device)
     cache = {}
-    for step in (1, 2, 3):
+    ulp = 2.0 ** -8 if pdt == torch.bfloat16 else 2.0 ** -23
+    h1 = AdamWHyper.at_step(1, 1e-3, 0.9, 0.999, 1e-8, 0.1)
+    tri.adamw_step(a, h1, skipped=skipped_a, plan_cache=cache)
+    R.adamw_step(b, h1, skipped=skipped_b)
+    for x, y in zip(a, b):
+        # From identical states one step agrees to rounding: the GPU's approximate
+        # log2/exp2/rcp move an update (at most ~lr) by ~1e-6 of itself.
+        diff = (x.param.float() - y.param.float()).abs()
+        assert (diff <= 2 * ulp * y.param.float().abs() + 1e-8).all(), diff.max()
+        if quant:
+            # Both stored moments are faithful quantizations of the same FP32 moments (a
+            # group's scale may legitimately differ by one binade at a boundary).
+            for mx, my in ((x.exp_avg, y.exp_avg), (x.exp_avg_sq, y.exp_avg_sq)):
+                dx, dy = R.dequantize_groups(mx.to("cpu")), R.dequantize_groups(my.to("cpu"))
+                rel = ((dx - dy).abs() / dy.abs().clamp_min(1e-30))[dy != 0]
+                assert rel.mean().item() < 0.02 and (rel < 0.2).float().mean().item() > 0.995
+        else:
+            torch.testing.assert_close(x.exp_avg, y.exp_avg, rtol=1e-5, atol=1e-9)
+    for step in (2, 3):
         h = AdamWHyper.at_step(step, 1e-3, 0.9, 0.999, 1e-8, 0.1)
         tri.adamw_step(a, h, skipped=skipped_a, plan_cache=cache)
         R.adamw_step(b, h, skipped=skipped_b)
     assert skipped_a.item() == skipped_b.item() == 0
-    # The GPU's approximate log2/exp2/rcp move an update (at most ~lr = 1e-3) by ~1e-6 of
-    # lr; after the first step a moment code may differ by one FP8 step between the two,
-    # which moves that element's later updates by a fraction of lr.
-    ulp = 2.0 ** -7 if pdt == torch.bfloat16 else 1e-6
     for x, y in zip(a, b):
-        diff = (x.param.float() - y.param.float()).abs()
-        assert (diff <= ulp * y.param.float().abs() + 1e-3).all()
-        assert (diff <= ulp * y.param.float().abs() + 1e-6).float().mean().item() >= 0.98
-        if quant:
-            # A group's power-of-two scale may differ by one where its max sits on a binade
-            # edge, so codes can differ while the values they stand for agree.
-            for mx, my in ((x.exp_avg, y.exp_avg), (x.exp_avg_sq, y.exp_avg_sq)):
-                dx, dy = R.dequantize_groups(mx.to("cpu")), R.dequantize_groups(my.to("cpu"))
-                rel = ((dx - dy).abs() / dy.abs().clamp_min(1e-30))[dy != 0]
-                # Beyond that only the smallest subnormal codes may flip (0 <-> 1).
-                assert rel.mean().item() < 1e-2 and (rel < 0.2).float().mean().item() > 0.999
-        else:
-            torch.testing.assert_close(x.exp_avg, y.exp_avg, rtol=1e-5, atol=1e-9)
+        # Where a stored code differs, later updates (each at most ~lr = 1e-3) differ by a
+        # fraction of lr for that element.
+        diff = (x.param.float() - y.param.float()).abs() - 2 * ulp * y.param.float().abs()
+        assert diff.max().item() < 1e-3 and diff.clamp_min(0).mean().item() < 2e-5
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

@@ -34,6 +34,7 @@ __all__ = [
     "initialize",
     "coat_optimizer",
     "local_partitions",
+    "group_state_config",
     "StateMemoryReport",
     "state_memory_report",
 ]
@@ -164,7 +165,8 @@ def local_partitions(engine) -> list[tuple[torch.Tensor, dict]]:
     return [(p, g) for g in groups for p in g["params"]]
 
 
-def _state_config(group: dict) -> OptimStateConfig:
+def group_state_config(group: dict) -> OptimStateConfig:
+    """The OptimStateConfig a CoatAdamW param group (or its saved copy) stands for."""
     return OptimStateConfig(**{k: group[k] for k in OptimStateConfig.__dataclass_fields__})
 
 
@@ -201,7 +203,7 @@ def state_memory_report(engine) -> StateMemoryReport:
     laid out exactly as CoatAdamW will, on the meta device (nothing is allocated)."""
     total, numel, device = 0, 0, "cpu"
     for t, group in local_partitions(engine):
-        cfg = _state_config(group)
+        cfg = group_state_config(group)
         layout = st.init_state(torch.empty(t.shape, device="meta"), t.numel() >= cfg.min_quant_numel, cfg)
         total += st.state_bytes(layout)
         numel += t.numel()

@@ -28,7 +28,7 @@ import os
 import torch
 
 from ..optim import state as st
-from .deepspeed import _state_config, coat_optimizer, local_partitions
+from .deepspeed import coat_optimizer, group_state_config, local_partitions
 
 __all__ = ["FORMAT", "saved_world_size", "consolidate_checkpoint", "load_fp32_checkpoint", "load_checkpoint"]
 
@@ -90,7 +90,7 @@ def _fp32_moments(opt_sd: dict, lengths: list[int]) -> tuple[dict[str, list[torc
                 out[name].append(torch.zeros(n))
             steps.add(0.0)
             continue
-        cfg = dataclasses.replace(_state_config(group), backend="torch")  # host tensors, reference codec
+        cfg = dataclasses.replace(group_state_config(group), backend="torch")  # host tensors, reference codec
         fp32 = st.to_fp32(state, cfg)
         for name in st.MOMENTS:
             flat = fp32[name].reshape(-1)

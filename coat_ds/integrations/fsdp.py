@@ -42,13 +42,14 @@ from torch.distributed.fsdp import (
     StateDictType,
 )
 from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+from torch.distributed.tensor import DTensor
 
 from ..activation import compress_activations
 from ..config import ActivationConfig
 from ..optim.sharded import mark_global_numel
 from ..optim.state import MOMENTS
 
-__all__ = ["FsdpConfig", "setup_fsdp", "save_checkpoint", "load_checkpoint",
+__all__ = ["FsdpConfig", "setup_fsdp", "save_checkpoint", "load_checkpoint", "clip_grad_norm_",
            "fsdp1_optim_state_dict", "fsdp1_load_optim_state_dict", "is_fsdp1", "is_fsdp2"]
 
 _MODES = ("fsdp2", "fsdp1")
@@ -59,10 +60,11 @@ class FsdpConfig:
     """How `setup_fsdp` shards a model."""
 
     mode: str = "fsdp2"  # "fsdp2" (fully_shard, DTensor parameters) or "fsdp1" (FullyShardedDataParallel)
-    wrap: Callable[[nn.Module], bool] | None = None  # modules made their own FSDP unit; None: every element of an nn.ModuleList
+    # modules made their own FSDP unit; None: every element of an nn.ModuleList (transformer blocks)
+    wrap: Callable[[nn.Module], bool] | None = None
     use_orig_params: bool = True  # FSDP1 only: expose the original parameters (True) or one FlatParameter per unit
-    reshard_after_forward: bool = True  # free gathered parameters after forward (ZeRO-3-like) or keep them to backward
-    param_dtype: torch.dtype | None = None  # compute dtype of gathered parameters (e.g. torch.bfloat16); None: as stored
+    reshard_after_forward: bool = True  # free gathered parameters after forward (ZeRO-3-like) or keep to backward
+    param_dtype: torch.dtype | None = None  # compute dtype of gathered parameters (torch.bfloat16...); None: as stored
     activation: ActivationConfig | None = None  # FP8 activation compression of the whole model (None: off)
 
     def __post_init__(self):
@@ -123,6 +125,15 @@ def setup_fsdp(model: nn.Module, config: FsdpConfig | None = None, **overrides) 
     strategy = ShardingStrategy.FULL_SHARD if config.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
     return FSDP(model, auto_wrap_policy=policy, device_id=_device(), use_orig_params=config.use_orig_params,
                 mixed_precision=mp, sharding_strategy=strategy)
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> float:
+    """Clip the gradients of a sharded model to a global norm of `max_norm`; returns the
+    norm before clipping (the same on every rank)."""
+    if is_fsdp1(model):
+        return float(model.clip_grad_norm_(max_norm))
+    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
 
 def is_fsdp2(model: nn.Module) -> bool:

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .codec import decode_fp8, encode_fp8, pow2
+from .codec import decode_fp8, encode_fp8, pow2, scale_exponent
 from .fp8 import get_format
 from .layout import group_layout
 
@@ -32,17 +32,9 @@ _PARTIALS_BLOCK = 1024
 
 @triton.jit
 def _scale_exponent(amax, FMT: tl.constexpr):
-    """Smallest e with amax * 2**-e <= the format's max, clamped to [-126, 126], from bits.
-
-    Both formats' maxima are 1.75 * 2**E (448 = 1.75 * 2**8, 57344 = 1.75 * 2**15), so the
-    answer is amax's exponent minus E, plus one when amax's mantissa exceeds 1.75."""
-    if FMT == 0:
-        EMAX: tl.constexpr = 8
-    else:
-        EMAX: tl.constexpr = 15
-    bits = amax.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) - 127 - EMAX + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    return tl.minimum(tl.maximum(e, -126), 126)
+    """Smallest e with amax * 2**-e <= the format's max, clamped to [-126, 126] so that both
+    2**e and 2**-e are normal floats (an all-zero or subnormal group gets e = -126)."""
+    return tl.minimum(tl.maximum(scale_exponent(amax, FMT), -126), 126)
 
 
 @triton.jit
@@ -63,20 +55,22 @@ def _tensor_exponent_kernel(partial_ptr, exp_ptr, n_partials, FMT: tl.constexpr,
 
 
 @triton.jit
-def _quantize_tensor_kernel(x_ptr, exp_ptr, codes_ptr, n, FMT: tl.constexpr, BLOCK: tl.constexpr):
+def _quantize_tensor_kernel(x_ptr, exp_ptr, codes_ptr, n, FMT: tl.constexpr, BLOCK: tl.constexpr,
+                            HW: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     e = tl.load(exp_ptr)
-    tl.store(codes_ptr + offs, encode_fp8(x * pow2(-e), FMT), mask=mask)
+    tl.store(codes_ptr + offs, encode_fp8(x * pow2(-e), FMT, HW), mask=mask)
 
 
 @triton.jit
-def _dequantize_tensor_kernel(codes_ptr, exp_ptr, out_ptr, n, out_max, FMT: tl.constexpr, BLOCK: tl.constexpr):
+def _dequantize_tensor_kernel(codes_ptr, exp_ptr, out_ptr, n, out_max, FMT: tl.constexpr, BLOCK: tl.constexpr,
+                              HW: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     e = tl.load(exp_ptr)
-    x = decode_fp8(tl.load(codes_ptr + offs, mask=mask, other=0), FMT) * pow2(e)
+    x = decode_fp8(tl.load(codes_ptr + offs, mask=mask, other=0), FMT, HW) * pow2(e)
     # Rounding up at the top of the fp32/fp16 range could overflow; keep results finite.
     x = tl.minimum(tl.maximum(x, -out_max), out_max)
     tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
@@ -95,24 +89,29 @@ def _row_group_offsets(gi, n_groups, cols, gpr, G: tl.constexpr):
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, codes_ptr, exp_ptr, n_groups, cols, gpr,
-                          FMT: tl.constexpr, G: tl.constexpr, BG: tl.constexpr):
+                          FMT: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, HW: tl.constexpr):
     gi = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
     offs, valid = _row_group_offsets(gi, n_groups, cols, gpr, G)
     x = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
     e = _scale_exponent(tl.max(tl.abs(x), axis=1), FMT)
-    tl.store(codes_ptr + offs, encode_fp8(x * pow2(-e)[:, None], FMT), mask=valid)
+    tl.store(codes_ptr + offs, encode_fp8(x * pow2(-e)[:, None], FMT, HW), mask=valid)
     tl.store(exp_ptr + gi, e.to(tl.int8), mask=gi < n_groups)
 
 
 @triton.jit
 def _dequantize_rows_kernel(codes_ptr, exp_ptr, out_ptr, n_groups, cols, gpr, out_max,
-                            FMT: tl.constexpr, G: tl.constexpr, BG: tl.constexpr):
+                            FMT: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, HW: tl.constexpr):
     gi = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
     offs, valid = _row_group_offsets(gi, n_groups, cols, gpr, G)
     e = tl.load(exp_ptr + gi, mask=gi < n_groups, other=0).to(tl.int32)
-    x = decode_fp8(tl.load(codes_ptr + offs, mask=valid, other=0), FMT) * pow2(e)[:, None]
+    x = decode_fp8(tl.load(codes_ptr + offs, mask=valid, other=0), FMT, HW) * pow2(e)[:, None]
     x = tl.minimum(tl.maximum(x, -out_max), out_max)
     tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+def _hw(t: torch.Tensor) -> bool:
+    """Compiled for a GPU (hardware FP8 casts) rather than run by the interpreter."""
+    return t.device.type == "cuda"
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -133,7 +132,7 @@ def quantize_tensor(x: torch.Tensor, fmt="e4m3") -> tuple[torch.Tensor, torch.Te
     _absmax_partial_kernel[(n_prog,)](x, partial, n, BLOCK=BLOCK_ELEMS)
     _tensor_exponent_kernel[(1,)](partial, exp, n_prog, FMT=f.id, BLOCK=_PARTIALS_BLOCK)
     if n:
-        _quantize_tensor_kernel[(n_prog,)](x, exp, codes, n, FMT=f.id, BLOCK=BLOCK_ELEMS)
+        _quantize_tensor_kernel[(n_prog,)](x, exp, codes, n, FMT=f.id, BLOCK=BLOCK_ELEMS, HW=_hw(x))
     return codes, exp
 
 
@@ -146,7 +145,7 @@ def dequantize_tensor(codes: torch.Tensor, exp: torch.Tensor, fmt="e4m3",
     n = codes.numel()
     if n:
         _dequantize_tensor_kernel[(triton.cdiv(n, BLOCK_ELEMS),)](
-            codes, exp, out, n, torch.finfo(dtype).max, FMT=f.id, BLOCK=BLOCK_ELEMS)
+            codes, exp, out, n, torch.finfo(dtype).max, FMT=f.id, BLOCK=BLOCK_ELEMS, HW=_hw(codes))
     return out
 
 
@@ -161,7 +160,8 @@ def quantize_rows(x: torch.Tensor, group_size: int = 16, fmt="e4m3") -> tuple[to
     if lay.num_groups:
         bg = max(1, BLOCK_ELEMS // group_size)
         _quantize_rows_kernel[(triton.cdiv(lay.num_groups, bg),)](
-            x, codes, exps, lay.num_groups, lay.cols, lay.groups_per_row, FMT=f.id, G=group_size, BG=bg)
+            x, codes, exps, lay.num_groups, lay.cols, lay.groups_per_row, FMT=f.id, G=group_size, BG=bg,
+            HW=_hw(x))
     return codes, exps
 
 
@@ -176,5 +176,5 @@ def dequantize_rows(codes: torch.Tensor, exps: torch.Tensor, group_size: int = 1
         bg = max(1, BLOCK_ELEMS // group_size)
         _dequantize_rows_kernel[(triton.cdiv(lay.num_groups, bg),)](
             codes, exps, out, lay.num_groups, lay.cols, lay.groups_per_row, torch.finfo(dtype).max,
-            FMT=f.id, G=group_size, BG=bg)
+            FMT=f.id, G=group_size, BG=bg, HW=_hw(codes))
     return out

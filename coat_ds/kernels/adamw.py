@@ -21,8 +21,8 @@ __all__ = ["adamw_step"]
 
 _TABLE_COLS = 16  # p, g, m codes/center/kcode/sexp, v codes/center/kcode/sexp, cols, n_groups, gpr
 # Launch shape (groups per program, warps), tuned on an H100 with bench/optim_step.py --sweep.
-STEP_BLOCK_GROUPS = 8
-STEP_WARPS = 8
+STEP_BLOCK_GROUPS = 16
+STEP_WARPS = 4
 _DTYPE_IDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -134,7 +134,6 @@ class _Plan:
         self.grid = len(blocks)
         self.table = _to_device(rows, device)
         self.blocks = _to_device(blocks or [(0, 0)], device, torch.int32)
-        self.shapes = [tuple(s.param.shape) for s in slots]
 
 
 def _addresses(s: AdamWSlot) -> list[int]:
@@ -147,10 +146,10 @@ def _addresses(s: AdamWSlot) -> list[int]:
     return out
 
 
-def _key(slots: list[AdamWSlot]) -> list[tuple[int, int]]:
+def _key(slots: list[AdamWSlot]) -> list[tuple[int, int, tuple]]:
     # State tensors are the caller's and stay put (it drops the cache when it replaces
     # them); parameters and gradients may move between steps.
-    return [(s.param.data_ptr(), s.grad.data_ptr()) for s in slots]
+    return [(s.param.data_ptr(), s.grad.data_ptr(), s.param.shape) for s in slots]
 
 
 def _to_device(rows, device, dtype=torch.int64) -> torch.Tensor:
@@ -178,7 +177,7 @@ def adamw_step(slots: list[AdamWSlot], hyper: AdamWHyper, *, group_size: int = 1
     fm, fv = get_format(fmt_m), get_format(fmt_v)
     cache_key = (quant, slots[0].param.dtype, slots[0].grad.dtype, len(slots))
     plan = None if plan_cache is None else plan_cache.get(cache_key)
-    if plan is None or plan.key != _key(slots) or plan.shapes != [tuple(s.param.shape) for s in slots]:
+    if plan is None or plan.key != _key(slots):
         plan = _Plan(slots, group_size, device)
         if plan_cache is not None:
             plan_cache[cache_key] = plan

@@ -29,11 +29,10 @@ __all__ = [
 
 
 def encode_fp8(x: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
-    """Round-to-nearest-even, saturating FP8 encode of float32 `x`, as uint8 codes.
-
-    The sign bit is set only for x < 0, so -0.0 encodes as 0 as in the kernels."""
+    """Round-to-nearest-even, saturating FP8 encode of float32 `x`, as uint8 codes (the
+    sign bit copied from x, -0.0 included, as the hardware conversion does)."""
     mag = x.abs().clamp_(max=fmt.max).to(fmt.dtype).view(torch.uint8)
-    return mag | ((x < 0).to(torch.uint8) << 7)
+    return mag | (torch.signbit(x).to(torch.uint8) << 7)
 
 
 def decode_fp8(codes: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
