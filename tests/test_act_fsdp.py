@@ -24,8 +24,8 @@ def _worker(rank: int, init_file: str):
     try:
         def build():
             torch.manual_seed(0)
-            # vocab 130 / dim 66 rows do not split evenly over 2 ranks: uneven shards.
-            model = TinyLlama(vocab=130, dim=64, layers=2, heads=4, kv_heads=2, hidden=176)
+            # 131 embedding and lm_head rows do not split evenly over 2 ranks: uneven shards.
+            model = TinyLlama(vocab=131, dim=64, layers=2, heads=4, kv_heads=2, hidden=176)
             for layer in model.layers:
                 fully_shard(layer)
             fully_shard(model)
@@ -46,10 +46,10 @@ def _worker(rank: int, init_file: str):
 
         handle.compressor.pack = spying_pack
         torch.manual_seed(100 + rank)  # each rank its own batch
-        ids = torch.randint(0, 130, (2, 32))
+        ids = torch.randint(0, 131, (2, 32))
         for m in (ref, model):
             logits = m(ids)
-            torch.nn.functional.cross_entropy(logits.reshape(-1, 130), ids.reshape(-1)).backward()
+            torch.nn.functional.cross_entropy(logits.reshape(-1, 131), ids.reshape(-1)).backward()
         st = handle.stats()
         # FSDP2 hands autograd its gathered full weights (nn.Parameter or views of them):
         # they are seen and never copied.

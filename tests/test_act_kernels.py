@@ -67,6 +67,8 @@ def test_quantization_error_bounds(fmt, db, mant):
         assert ((y - x).abs()[normal] / x.abs()[normal]).max() <= 2.0 ** -(mant + 1)
 
 
+# numpy warns when the interpreter computes 2**126 * (tiny) products on masked-off lanes.
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_zeros_and_extremes_stay_finite(backend):
     ops = _triton() if backend == "triton" else get_act_ops(torch.device("cpu"), "torch")
@@ -86,10 +88,10 @@ def test_zeros_and_extremes_stay_finite(backend):
             assert torch.isfinite(y).all()
 
 
-def test_per_tensor_two_stage_max_spans_programs():
+def test_per_tensor_two_stage_max_spans_programs(device):
     # Several programs each reduce a block; the max sits in the last one.
     ops = _triton()
-    x = torch.randn(3 * 4096 + 5) * 0.01
+    x = torch.randn(3 * 4096 + 5, device=device) * 0.01
     x[-1] = 300.0
     c, e = ops.quantize_tensor(x)
     assert int(e) == int(ref.act_scale_exponent(torch.tensor(300.0), ref.get_format("e4m3")))

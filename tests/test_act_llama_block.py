@@ -14,14 +14,14 @@ from coat_ds import ActivationConfig
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
+    def __init__(self, dim: int, eps: float = 1e-6, upcast: bool = True):
         super().__init__()
-        self.eps = eps
+        self.eps, self.upcast = eps, upcast
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # Computed in float32 like Llama's reference: autograd saves the fp32 upcast.
-        xf = x.float()
+        # By default computed in float32 like Llama's reference: autograd saves the upcast.
+        xf = x.float() if self.upcast else x
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
@@ -134,12 +134,12 @@ GRAD_SQNR_DB = 20.0
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_block_gradients_close_to_uncompressed(backend):
+def test_block_gradients_close_to_uncompressed(backend, device):
     # The interpreter costs ~3 ms per program; at this size the Triton run stays ~100 programs.
-    block = make_block(torch.float32, dim=64)
+    block = make_block(torch.float32, dim=64).to(device)
     torch.manual_seed(2)
-    x = torch.randn(2, 32, 64)
-    cos, sin = rope_tables(32, 16, torch.float32)
+    x = torch.randn(2, 32, 64, device=device)
+    cos, sin = rope_tables(32, 16, torch.float32, device)
     ref = block_grads(block, x, cos, sin)
     handle = coat_ds.compress_activations(block, config=ActivationConfig(backend=backend, min_numel=256))
     got = block_grads(block, x, cos, sin)
@@ -152,8 +152,12 @@ def test_block_gradients_close_to_uncompressed(backend):
         assert db > GRAD_SQNR_DB, f"{name}: gradient SQNR {db:.1f} dB"
 
 
-def test_block_bytes_accounting_bf16():
+@pytest.mark.parametrize("upcast", [True, False])
+def test_block_bytes_accounting_bf16(upcast):
+    # upcast=False keeps every saved tensor in BF16, so the ratio is not helped by FP32 ones.
     block = make_block(torch.bfloat16, dim=128)
+    for norm in (block.input_layernorm, block.post_attention_layernorm):
+        norm.upcast = upcast
     x = torch.randn(2, 64, 128, dtype=torch.bfloat16)
     cos, sin = rope_tables(64, 32, torch.bfloat16)
     handle = coat_ds.compress_activations(block, config=ActivationConfig(backend="torch"))

@@ -82,6 +82,15 @@ class Ledger:
             self.kept += storage_bytes(t)
             self.n_kept += 1
 
+    def add_other(self, t: torch.Tensor) -> None:
+        """A tensor subclass kept as is: counted by its logical size (its storage may not
+        be addressable, as for DTensor)."""
+        n = t.numel() * t.element_size()
+        self.uncompressed += n
+        self.compressed += n
+        self.kept += n
+        self.n_kept += 1
+
     def add_skipped(self, t: torch.Tensor) -> None:
         self.skipped += t.numel() * t.element_size()
 

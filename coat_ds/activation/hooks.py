@@ -14,6 +14,7 @@ from .packing import PER_GROUP, PER_TENSOR, FP8Saved, FP8View, memory_order
 __all__ = ["SavedTensorCompressor", "COMPILE_MESSAGE"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_DEVICES = ("cuda", "cpu")
 
 COMPILE_MESSAGE = (
     "coat_ds.compress_activations: the saved-tensor pack hook is being traced by torch.compile "
@@ -62,12 +63,12 @@ class SavedTensorCompressor:
 
     def note_linear_input(self, x) -> None:
         if isinstance(x, torch.Tensor):
-            self._linear_inputs.add((x.data_ptr(), x.dtype, x.numel()), x)
+            self._linear_inputs.add((x.device, x.data_ptr(), x.dtype, x.numel()), x)
 
     def note_alive_anyway(self, t) -> None:
         """`t` outlives the region (a leaf input the caller holds, a buffer): never copy it."""
         if isinstance(t, torch.Tensor):
-            self._keep.add(t.untyped_storage().data_ptr(), t)
+            self._keep.add((t.device, t.untyped_storage().data_ptr()), t)
 
     def _ops_for(self, device: torch.device):
         ops = self._ops.get(device)
@@ -84,10 +85,14 @@ class SavedTensorCompressor:
             # a copy would keep a second full weight alive.
             self.ledger.add_skipped(t)
             return t
-        if type(t) is not torch.Tensor or t.dtype not in _FLOATS or t.numel() < self.config.min_numel:
+        if type(t) is not torch.Tensor or t.device.type not in _DEVICES:
+            # Tensor subclasses (DTensor, FP8 wrappers) and other devices are not ours to copy.
+            self.ledger.add_other(t)
+            return t
+        if t.dtype not in _FLOATS or t.numel() < max(1, self.config.min_numel):
             self.ledger.add_kept(t, root)
             return t
-        if t.untyped_storage().data_ptr() in self._keep:
+        if (t.device, t.untyped_storage().data_ptr()) in self._keep:
             self.ledger.add_skipped(t)
             return t
         perm = memory_order(t)
@@ -103,10 +108,10 @@ class SavedTensorCompressor:
             same = hit.shape == tuple(t.shape) and hit.stride == t.stride()
             return hit if same else FP8View(hit, t)
         cfg = self.config
-        if cfg.per_tensor_linear_inputs and (t.data_ptr(), t.dtype, t.numel()) in self._linear_inputs:
-            kind, fmt = PER_TENSOR, cfg.linear_input_format
-        elif (t.data_ptr(), t.dtype, t.numel()) in self._linear_inputs:
-            kind, fmt = PER_GROUP, cfg.linear_input_format
+        # A linear layer saves its input, or a 2-D view of it: same memory, same count.
+        if (t.device, t.data_ptr(), t.dtype, t.numel()) in self._linear_inputs:
+            kind = PER_TENSOR if cfg.per_tensor_linear_inputs else PER_GROUP
+            fmt = cfg.linear_input_format
         else:
             kind, fmt = PER_GROUP, cfg.other_format
         with torch.no_grad():

@@ -34,7 +34,8 @@ class FP8Saved:
             self.codes, self.exps = ops.quantize_tensor(x, fmt)
         else:
             self.codes, self.exps = ops.quantize_rows(x, group_size, fmt)
-        self.kind, self.fmt, self.group_size, self.dtype, self.perm, self.ops = kind, fmt, group_size, t.dtype, perm, ops
+        self.kind, self.fmt, self.group_size, self.ops = kind, fmt, group_size, ops
+        self.dtype, self.perm = t.dtype, perm
         self.shape, self.stride = tuple(t.shape), t.stride()
         self._restored = None
         self.origin = None  # weak reference to the tensor compressed, set by the hooks

@@ -165,7 +165,7 @@ def fsdp1_optim_state_dict(model: nn.Module, optim) -> dict:
             merged = osd
         else:
             for fqn, state in osd["state"].items():
-                merged["state"].setdefault(fqn, {}).update({name: state[name]} if name in state else {})
+                merged["state"].setdefault(fqn, {}).update({k: v for k, v in state.items() if k == name})
     return merged
 
 
@@ -179,13 +179,14 @@ def fsdp1_load_optim_state_dict(model: nn.Module, optim, osd: dict) -> None:
 def _ensure_state(optim) -> None:
     """Create the optimizer's state if it has none yet (a step with zero gradients and zero
     learning rate), so a checkpoint can be loaded into a freshly built optimizer."""
-    if optim.state:
-        return
+    params = [p for g in optim.param_groups for p in g["params"]]
+    if optim.state or any(p.grad is not None for p in params):
+        return  # state exists, or gradients are pending that a step would consume
     lrs = [g["lr"] for g in optim.param_groups]
     for g in optim.param_groups:
         g["lr"] = 0.0
         for p in g["params"]:
-            if p.requires_grad and p.grad is None:
+            if p.requires_grad:
                 p.grad = torch.zeros_like(p)
     optim.step()
     for g, lr in zip(optim.param_groups, lrs):

@@ -77,21 +77,27 @@ def _dequantize_tensor_kernel(codes_ptr, exp_ptr, out_ptr, n, out_max, FMT: tl.c
 
 
 @triton.jit
-def _row_group_offsets(gi, n_groups, cols, gpr, G: tl.constexpr):
+def _row_group_offsets(gi, n_groups, cols, gpr, G: tl.constexpr, EVEN: tl.constexpr):
     """Offsets [BG, G] and validity of groups `gi` of a (rows, cols) tensor; groups never
-    cross a row, so a row whose length is not a multiple of G ends in a short group."""
+    cross a row, so a row whose length is not a multiple of G ends in a short group.
+
+    EVEN promises cols % G == 0: group gi is then elements [gi * G, gi * G + G) of the flat
+    tensor, a form whose contiguity Triton can see, so loads and stores are vectorized."""
+    lane = tl.arange(0, G)
+    if EVEN:
+        return gi[:, None] * G + lane[None, :], (gi < n_groups)[:, None] & (lane < G)[None, :]
     row = gi // gpr
     col = (gi - row * gpr) * G
-    lane = tl.arange(0, G)
     valid = (gi < n_groups)[:, None] & ((col[:, None] + lane[None, :]) < cols)
     return (row * cols + col)[:, None] + lane[None, :], valid
 
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, codes_ptr, exp_ptr, n_groups, cols, gpr,
-                          FMT: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, HW: tl.constexpr):
+                          FMT: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, EVEN: tl.constexpr,
+                          HW: tl.constexpr):
     gi = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
-    offs, valid = _row_group_offsets(gi, n_groups, cols, gpr, G)
+    offs, valid = _row_group_offsets(gi, n_groups, cols, gpr, G, EVEN)
     x = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
     e = _scale_exponent(tl.max(tl.abs(x), axis=1), FMT)
     tl.store(codes_ptr + offs, encode_fp8(x * pow2(-e)[:, None], FMT, HW), mask=valid)
@@ -100,9 +106,10 @@ def _quantize_rows_kernel(x_ptr, codes_ptr, exp_ptr, n_groups, cols, gpr,
 
 @triton.jit
 def _dequantize_rows_kernel(codes_ptr, exp_ptr, out_ptr, n_groups, cols, gpr, out_max,
-                            FMT: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, HW: tl.constexpr):
+                            FMT: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, EVEN: tl.constexpr,
+                            HW: tl.constexpr):
     gi = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
-    offs, valid = _row_group_offsets(gi, n_groups, cols, gpr, G)
+    offs, valid = _row_group_offsets(gi, n_groups, cols, gpr, G, EVEN)
     e = tl.load(exp_ptr + gi, mask=gi < n_groups, other=0).to(tl.int32)
     x = decode_fp8(tl.load(codes_ptr + offs, mask=valid, other=0), FMT, HW) * pow2(e)[:, None]
     x = tl.minimum(tl.maximum(x, -out_max), out_max)
@@ -161,7 +168,7 @@ def quantize_rows(x: torch.Tensor, group_size: int = 16, fmt="e4m3") -> tuple[to
         bg = max(1, BLOCK_ELEMS // group_size)
         _quantize_rows_kernel[(triton.cdiv(lay.num_groups, bg),)](
             x, codes, exps, lay.num_groups, lay.cols, lay.groups_per_row, FMT=f.id, G=group_size, BG=bg,
-            HW=_hw(x))
+            EVEN=lay.cols % group_size == 0, HW=_hw(x))
     return codes, exps
 
 
@@ -176,5 +183,5 @@ def dequantize_rows(codes: torch.Tensor, exps: torch.Tensor, group_size: int = 1
         bg = max(1, BLOCK_ELEMS // group_size)
         _dequantize_rows_kernel[(triton.cdiv(lay.num_groups, bg),)](
             codes, exps, out, lay.num_groups, lay.cols, lay.groups_per_row, torch.finfo(dtype).max,
-            FMT=f.id, G=group_size, BG=bg, HW=_hw(codes))
+            FMT=f.id, G=group_size, BG=bg, EVEN=lay.cols % group_size == 0, HW=_hw(codes))
     return out

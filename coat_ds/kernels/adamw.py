@@ -24,6 +24,7 @@ _TABLE_COLS = 16  # p, g, m codes/center/kcode/sexp, v codes/center/kcode/sexp, 
 STEP_BLOCK_GROUPS = 16
 STEP_WARPS = 4
 _DTYPE_IDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_MAX_PLANS = 256
 
 
 @triton.jit
@@ -121,14 +122,14 @@ def _adamw_kernel(table_ptr, blocks_ptr, skipped_ptr,
 class _Plan:
     """Device-side address table and program->(tensor, first group) map for one bucket."""
 
-    def __init__(self, slots: list[AdamWSlot], group_size: int, device: torch.device):
+    def __init__(self, slots: list[AdamWSlot], key: list, group_size: int, device: torch.device):
         self.bg = max(1, STEP_BLOCK_GROUPS * 128 // group_size) if device.type == "cuda" else tile_shape(group_size)
         rows, blocks = [], []
         for t, s in enumerate(slots):
             lay = group_layout(s.param.shape, group_size)
             rows.append(_addresses(s) + [lay.cols, lay.num_groups, lay.groups_per_row, 0, 0, 0])
             blocks.extend((t, b) for b in range(0, lay.num_groups, self.bg))
-        self.key = _key(slots)
+        self.key = key
         # 16-byte vector access needs every row start and every base address aligned.
         self.aligned = all(r[10] % 16 == 0 and all(a % 16 == 0 for a in r[:10]) for r in rows)
         self.grid = len(blocks)
@@ -175,11 +176,16 @@ def adamw_step(slots: list[AdamWSlot], hyper: AdamWHyper, *, group_size: int = 1
             raise ValueError("CoatAdamW's Triton step needs contiguous parameters and gradients")
     quant = isinstance(slots[0].exp_avg, QuantizedGroups)
     fm, fv = get_format(fmt_m), get_format(fmt_v)
-    cache_key = (quant, slots[0].param.dtype, slots[0].grad.dtype, len(slots))
+    key = _key(slots)
+    # Keyed by the tensors themselves: ZeRO-3 steps one sub-group's tensors per call, each
+    # with its own plan, and every one is reused on the next iteration.
+    cache_key = (quant, slots[0].param.dtype, slots[0].grad.dtype, tuple(k[0] for k in key))
     plan = None if plan_cache is None else plan_cache.get(cache_key)
-    if plan is None or plan.key != _key(slots):
-        plan = _Plan(slots, group_size, device)
+    if plan is None or plan.key != key:
+        plan = _Plan(slots, key, group_size, device)
         if plan_cache is not None:
+            if len(plan_cache) >= _MAX_PLANS:
+                plan_cache.pop(next(iter(plan_cache)))
             plan_cache[cache_key] = plan
     if skipped is None:
         skipped = torch.zeros((), dtype=torch.int64, device=device)

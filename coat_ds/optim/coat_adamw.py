@@ -173,7 +173,7 @@ class CoatAdamW(torch.optim.Optimizer):
     def fp32_state_dict(self) -> dict:
         """This optimizer's state in torch.optim.AdamW's layout (FP32 exp_avg/exp_avg_sq);
         DTensors like the parameter for DTensor parameters."""
-        sd = self.state_dict()
+        sd = super().state_dict()
         by_id = dict(zip(itertools.chain.from_iterable(g["params"] for g in sd["param_groups"]),
                          itertools.chain.from_iterable(g["params"] for g in self.param_groups)))
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
@@ -187,7 +187,8 @@ class CoatAdamW(torch.optim.Optimizer):
 
     def load_fp32_state_dict(self, state_dict: dict) -> None:
         """Load a torch.optim.AdamW-layout state dict (e.g. from `fp32_state_dict` or from
-        torch.optim.AdamW itself), quantizing its moments."""
+        torch.optim.AdamW itself), quantizing its moments. DTensor moments (of a sharded
+        optimizer) give this rank's local shard."""
         super().load_state_dict({**state_dict, "state": {}})
         saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         for group in self.param_groups:
