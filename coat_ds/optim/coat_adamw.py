@@ -54,6 +54,7 @@ class CoatAdamW(torch.optim.Optimizer):
         self._validate(defaults)
         super().__init__(params, defaults)
         self._plan_cache: dict = {}
+        self._entries: dict = {}
         self._skipped: dict[torch.device, torch.Tensor] = {}
 
     @staticmethod
@@ -78,23 +79,24 @@ class CoatAdamW(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             hp, cfg = self._validate(group)
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            entries = [self._entry(p, cfg) for p in params]
+            # One call for every counter and one read back: per-parameter tensor ops and
+            # .item() calls cost more host time than the GPU step of a 1B model takes.
+            steps = [self.state[p]["step"] for p in params]
+            torch._foreach_add_(steps, 1)
+            step_values = torch.stack(steps).tolist()
             buckets: dict[tuple, list[AdamWSlot]] = defaultdict(list)
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
+            for p, (local, m, v, quant), step in zip(params, entries, step_values):
+                grad = _local(p.grad)
+                if grad.is_sparse:
                     raise ValueError("CoatAdamW does not support sparse gradients")
-                local, grad = _local(p), _local(p.grad)
-                if local.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-                    raise ValueError(f"CoatAdamW needs float32/bfloat16/float16 parameters, got {local.dtype}")
-                state = self.state[p]
-                if not state:
-                    state.update(st.init_state(local, sharded.global_numel(p) >= cfg.min_quant_numel, cfg))
-                state["step"] += 1
-                slot = AdamWSlot(local, grad.contiguous(), st.moment(state, "exp_avg"),
-                                 st.moment(state, "exp_avg_sq"))
-                key = (st.is_quantized(state), int(state["step"].item()), local.device, local.dtype, grad.dtype)
-                buckets[key].append(slot)
+                if not grad.is_contiguous():
+                    grad = grad.contiguous()
+                buckets[(quant, int(step), local.device, local.dtype, grad.dtype)].append(
+                    AdamWSlot(local, grad, m, v))
             for (quant, step, device, *_), slots in buckets.items():
                 hyper = AdamWHyper.at_step(step, hp.lr, *hp.betas, hp.eps, hp.weight_decay)
                 get_ops(device, cfg.backend).adamw_step(
@@ -106,6 +108,30 @@ class CoatAdamW(torch.optim.Optimizer):
                     f"CoatAdamW: {self.nonfinite_groups()} group(s) had non-finite gradients or moments; "
                     "their parameters and moments were left unchanged")
         return loss
+
+    def _entry(self, p: torch.Tensor, cfg: OptimStateConfig) -> tuple:
+        """(local tensor, exp_avg, exp_avg_sq, quantized?) of `p`, creating its state on first
+        use. Cached while the state's tensors and the local shard stay the same objects."""
+        local = _local(p)
+        state = self.state[p]
+        cached = self._entries.get(p)
+        if cached is not None:
+            if cached[0] is local and state.get(cached[4]) is cached[5]:
+                return cached[:4]
+            # The state or shard was replaced behind our back: cached kernel address
+            # tables may point at the old tensors.
+            self._plan_cache.clear()
+        if p.grad is not None and p.grad.is_sparse:
+            raise ValueError("CoatAdamW does not support sparse gradients")
+        if local.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"CoatAdamW needs float32/bfloat16/float16 parameters, got {local.dtype}")
+        if not state:
+            state.update(st.init_state(local, sharded.global_numel(p) >= cfg.min_quant_numel, cfg))
+        quant = st.is_quantized(state)
+        anchor = "exp_avg_codes" if quant else "exp_avg"
+        entry = (local, st.moment(state, "exp_avg"), st.moment(state, "exp_avg_sq"), quant, anchor, state[anchor])
+        self._entries[p] = entry
+        return entry[:4]
 
     def _skip_counter(self, device: torch.device) -> torch.Tensor:
         if device not in self._skipped:
@@ -169,6 +195,7 @@ class CoatAdamW(torch.optim.Optimizer):
             self.state[p] = {k: (v.detach().clone().cpu() if k == "step" else v.detach().to(device, copy=True))
                              if torch.is_tensor(v) else v for k, v in entry.items()}
         self._plan_cache.clear()
+        self._entries.clear()
 
     def fp32_state_dict(self) -> dict:
         """This optimizer's state in torch.optim.AdamW's layout (FP32 exp_avg/exp_avg_sq);
@@ -200,3 +227,4 @@ class CoatAdamW(torch.optim.Optimizer):
                     fp32 = sharded.local_fp32_state(state_dict["state"][pid])
                     self.state[p] = st.from_fp32(fp32, _local(p), quant, cfg)
         self._plan_cache.clear()
+        self._entries.clear()
