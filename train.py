@@ -1,14 +1,17 @@
-"""Train a Llama-style decoder with COAT's FP8-state optimizer under DeepSpeed.
+"""Train a Llama-style decoder with COAT's FP8-state optimizer under DeepSpeed or PyTorch FSDP.
 
     deepspeed train.py --deepspeed ds_configs/coat_zero2.json --config configs/1b.yaml
+    torchrun --nproc_per_node 2 train.py --fsdp --config configs/1b.yaml --compress-activations
 
     # a CPU-only machine: DeepSpeed's CPU accelerator, 2 processes over gloo
     DS_ACCELERATOR=cpu deepspeed --num_accelerators 2 train.py \\
         --deepspeed ds_configs/coat_zero2.json --config configs/tiny.yaml
+    torchrun --nproc_per_node 2 train.py --fsdp --config configs/tiny.yaml   # FSDP over gloo
 
 Settings: the defaults in `TrainConfig`, then a YAML file (`--config`), then flags
 (`--max-steps 100`); the resolved result is printed at start. The DeepSpeed JSON owns the
-optimizer (`"type": "CoatAdamW"` or a torch AdamW baseline), batch sizes and ZeRO stage.
+optimizer (`"type": "CoatAdamW"` or a torch AdamW baseline), batch sizes, clipping and BF16
+for both engines (the FSDP engine ignores its ZeRO section).
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import resource
 import sys
 import time
@@ -26,6 +30,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from coat_ds import compress_activations
 from coat_ds.data import DataConfig, TokenData, batch_seed, load_data
 from coat_ds.model import PRESETS, Llama, model_config
 
@@ -55,8 +60,10 @@ class TrainConfig:
     resume: str = ""  # checkpoint folder to resume from (any data-parallel size)
     metrics_file: str = ""  # JSON lines of every logged metric, written by rank 0
     # engine
-    engine: str = "deepspeed"  # which entry in ENGINES sets the model up
-    deepspeed: str = "ds_configs/coat_zero2.json"  # DeepSpeed JSON config
+    engine: str = "deepspeed"  # which entry in ENGINES sets the model up: "deepspeed" or "fsdp" (`--fsdp`)
+    deepspeed: str = "ds_configs/coat_zero2.json"  # DeepSpeed JSON config (read by both engines)
+    fsdp_mode: str = "fsdp2"  # FSDP engine: "fsdp2" (fully_shard) or "fsdp1" (FullyShardedDataParallel)
+    compress_activations: bool = False  # store saved activations in FP8 (coat_ds.compress_activations)
 
 
 def parse_config(argv: list[str]) -> TrainConfig:
@@ -65,10 +72,16 @@ def parse_config(argv: list[str]) -> TrainConfig:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="YAML file with TrainConfig fields")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--fsdp", dest="engine", action="store_const", const="fsdp", help="short for --engine fsdp")
     for name, f in fields.items():
+        flags = (f"--{name.replace('_', '-')}", f"--{name}")
+        if f.type == "bool":  # --compress-activations / --no-compress-activations
+            ap.add_argument(*flags, dest=name, default=None, action=argparse.BooleanOptionalAction,
+                            help=f"default: {f.default!r}")
+            continue
         kind = f.type if f.type in ("int", "float", "str") else "str"
-        ap.add_argument(f"--{name.replace('_', '-')}", f"--{name}", dest=name, default=None,
-                        type={"int": int, "float": float, "str": str}[kind], help=f"default: {f.default!r}")
+        ap.add_argument(*flags, dest=name, default=None, type={"int": int, "float": float, "str": str}[kind],
+                        help=f"default: {f.default!r}")
     args = ap.parse_args(argv)
     values = {}
     if args.config:
@@ -83,6 +96,8 @@ def parse_config(argv: list[str]) -> TrainConfig:
         raise SystemExit(f"unknown preset {cfg.preset!r}; choose from {', '.join(PRESETS)}")
     if cfg.engine not in ENGINES:
         raise SystemExit(f"unknown engine {cfg.engine!r}; choose from {', '.join(ENGINES)}")
+    if cfg.fsdp_mode not in ("fsdp2", "fsdp1"):
+        raise SystemExit(f"unknown fsdp_mode {cfg.fsdp_mode!r}; choose fsdp2 or fsdp1")
     return cfg
 
 
@@ -94,7 +109,7 @@ def lr_factor(cfg: TrainConfig, step: int) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-# -- engines: each returns a Runner; the FSDP path adds its own setup function ----------------
+# -- engines: each sets the model up and returns a Runner -------------------------------------
 
 @dataclass
 class Runner:
@@ -149,7 +164,70 @@ def setup_deepspeed(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
                   grad_accum=engine.gradient_accumulation_steps(), device=engine.device)
 
 
-ENGINES = {"deepspeed": setup_deepspeed}
+def setup_fsdp_engine(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
+    """FSDP2 or FSDP1 with the optimizer, batch sizes, clipping and BF16 of the DeepSpeed JSON."""
+    from coat_ds.engines import build_optimizer, optimizer_state_bytes, read_ds_settings
+    from coat_ds.integrations.fsdp import clip_grad_norm_, load_checkpoint, save_checkpoint, setup_fsdp
+
+    ds = read_ds_settings(cfg.deepspeed, dist.get_world_size())
+    # As under DeepSpeed's bf16: FP32 master weights and optimizer, BF16 compute, FP32 reduction.
+    model = setup_fsdp(model, mode=cfg.fsdp_mode, param_dtype=torch.bfloat16 if ds.bf16 else None)
+    optim = build_optimizer(ds, model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: lr_factor(cfg, s))
+    micro_steps = 0
+
+    def train_micro_step(x, y):
+        nonlocal micro_steps
+        loss = model(x, y)
+        (loss / ds.grad_accum).backward()  # the mean over the accumulated micro-batches, as DeepSpeed does
+        micro_steps += 1
+        if micro_steps % ds.grad_accum == 0:
+            if ds.clip:
+                clip_grad_norm_(model, ds.clip)
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+            sched.step()
+        return loss.detach()
+
+    @torch.no_grad()
+    def eval_loss(x, y):
+        model.eval()
+        loss = model(x, y)
+        model.train()
+        return loss
+
+    def load(load_dir):
+        step = load_checkpoint(load_dir, model, optim)
+        # The scheduler is not in the checkpoint: put it, and the LR it sets, at `step`.
+        sched.last_epoch = step
+        for group, base in zip(optim.param_groups, sched.base_lrs):
+            group["lr"] = base * lr_factor(cfg, step)
+        return {"step": step}
+
+    return Runner(train_micro_step, eval_loss,
+                  save=lambda d, tag, client: save_checkpoint(os.path.join(d, tag), model, optim, client["step"]),
+                  load=load, lr=lambda: optim.param_groups[0]["lr"],
+                  optimizer_state_bytes=lambda: optimizer_state_bytes(optim),
+                  micro_batch=ds.micro_batch, grad_accum=ds.grad_accum, device=fsdp_device())
+
+
+def fsdp_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def init_fsdp_distributed() -> None:
+    """One process per GPU (NCCL) or CPU process (gloo), launched by torchrun; a plain
+    `python train.py --fsdp` runs as a group of one."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+ENGINES = {"deepspeed": setup_deepspeed, "fsdp": setup_fsdp_engine}
 
 
 # -- the loop -------------------------------------------------------------------------------
@@ -191,6 +269,8 @@ def main(argv=None) -> None:
         import deepspeed
 
         deepspeed.init_distributed()
+    else:
+        init_fsdp_distributed()
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     say = print if rank == 0 else (lambda *a, **k: None)
     say("resolved config:\n" + yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False), flush=True)
@@ -200,6 +280,8 @@ def main(argv=None) -> None:
     mcfg = model_config(cfg.preset, vocab_size=max(256, data.vocab_size), max_seq_len=max(cfg.seq_len, 1))
     model = Llama(mcfg)
     say(f"data: {data.description}\nmodel: {cfg.preset}, {mcfg.num_params() / 1e6:.2f}M params", flush=True)
+    # Hooks on the unsharded modules, before either engine wraps them; the handle counts bytes.
+    activations = compress_activations(model) if cfg.compress_activations else None
 
     runner = ENGINES[cfg.engine](cfg, model)
     start = 0
@@ -230,6 +312,11 @@ def main(argv=None) -> None:
             state_gb = max_over_ranks(runner.optimizer_state_bytes()) / 1e9
             say(f"optimizer state: {state_gb:.4g} GB on the largest rank", flush=True)
             record(step=done, optimizer_state_gb=state_gb)
+            if activations:
+                a = activations.stats()  # rank 0's micro-batches of this first step
+                say(f"saved activations, step {done} on rank 0: {a.compressed_bytes / 1e6:.4g} MB with FP8 vs "
+                    f"{a.uncompressed_bytes / 1e6:.4g} MB without (ratio {a.ratio:.2f})", flush=True)
+                record(step=done, activation_compression_ratio=a.ratio)
         if done % cfg.log_interval == 0 or done == cfg.max_steps:
             loss = mean_over_ranks(window)
             steps_in_window = len(window) // runner.grad_accum
@@ -251,6 +338,11 @@ def main(argv=None) -> None:
             t0 = time.perf_counter()
     if metrics:
         metrics.close()
+    if cfg.engine == "fsdp":
+        # We created the group, so we end it: a gloo group still alive while the interpreter
+        # shuts down can SIGABRT and turn a finished run into a failed exit status.
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

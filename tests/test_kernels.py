@@ -129,20 +129,28 @@ def test_adamw_step_matches_reference(tri, device, quant, pdt, gdt):
     cache = {}
     ulp = 2.0 ** -8 if pdt == torch.bfloat16 else 2.0 ** -23
     h1 = AdamWHyper.at_step(1, 1e-3, 0.9, 0.999, 1e-8, 0.1)
+    exact = []
+    for y in b:  # the new FP32 moments, in float64 from the same dequantized inputs
+        g = y.grad.double().cpu()
+        m0, v0 = ((R.dequantize_groups(t.to("cpu")) if quant else t.cpu()).double()
+                  for t in (y.exp_avg, y.exp_avg_sq))
+        exact.append((0.9 * m0 + 0.1 * g, 0.999 * v0 + 0.001 * g * g))
     tri.adamw_step(a, h1, skipped=skipped_a, plan_cache=cache)
     R.adamw_step(b, h1, skipped=skipped_b)
-    for x, y in zip(a, b):
+    for x, y, ex in zip(a, b, exact):
         # From identical states one step agrees to rounding: the GPU's approximate
         # log2/exp2/rcp move an update (at most ~lr) by ~1e-6 of itself.
         diff = (x.param.float() - y.param.float()).abs()
         assert (diff <= 2 * ulp * y.param.float().abs() + 1e-8).all(), diff.max()
         if quant:
-            # Both stored moments are faithful quantizations of the same FP32 moments (a
-            # group's scale may legitimately differ by one binade at a boundary).
-            for mx, my in ((x.exp_avg, y.exp_avg), (x.exp_avg_sq, y.exp_avg_sq)):
-                dx, dy = R.dequantize_groups(mx.to("cpu")), R.dequantize_groups(my.to("cpu"))
-                rel = ((dx - dy).abs() / dy.abs().clamp_min(1e-30))[dy != 0]
-                assert rel.mean().item() < 0.02 and (rel < 0.2).float().mean().item() > 0.995
+            # Each stored moment is a faithful FP8 quantization of the exact new moment (the
+            # two may pick a different scale or exponent for a group at a boundary, so they
+            # are compared with the truth rather than code by code).
+            for mx, my, e in ((x.exp_avg, y.exp_avg, ex[0]), (x.exp_avg_sq, y.exp_avg_sq, ex[1])):
+                for mom in (mx, my):
+                    d = R.dequantize_groups(mom.to("cpu")).double()
+                    rel = ((d - e).abs() / e.abs())[e != 0]
+                    assert rel.mean().item() < 0.05 and rel.max().item() < 0.35, (rel.mean(), rel.max())
         else:
             torch.testing.assert_close(x.exp_avg, y.exp_avg, rtol=1e-5, atol=1e-9)
     for step in (2, 3):

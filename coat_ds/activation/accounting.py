@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ActivationStats", "Ledger"]
+__all__ = ["ActivationStats", "Ledger", "storage_key"]
 
-_PRUNE_AT = 4096
+_SWEEP_AT = 4096
 
 
 @dataclass(frozen=True)
@@ -30,8 +30,10 @@ class ActivationStats:
         return self.compressed_bytes / self.uncompressed_bytes if self.uncompressed_bytes else 1.0
 
 
-def storage_bytes(t: torch.Tensor) -> int:
-    return t.untyped_storage().nbytes()
+def storage_key(t: torch.Tensor) -> tuple[int, int]:
+    """(device index, address of t's storage) of a plain tensor, computed from the tensor:
+    `untyped_storage()` would build a Python storage object on every saved tensor."""
+    return t.get_device(), t.data_ptr() - t.storage_offset() * t.element_size()
 
 
 class Ledger:
@@ -39,47 +41,52 @@ class Ledger:
 
     A storage is counted once per step: storages are keyed by address, guarded by a weak
     reference to the tensor that owns them, because once the original of a compressed
-    tensor dies its address can be reused by an unrelated tensor in the same step."""
+    tensor dies its address can be reused by an unrelated tensor in the same step. Only
+    counters and weak references are touched per saved tensor; stats() does the sums."""
 
     def __init__(self):
         self.reset()
 
     def reset(self) -> None:
-        self._storages: dict[int, weakref.ref] = {}
+        self._storages: dict[tuple[int, int], weakref.ref] = {}
         self._originals: list[tuple[weakref.ref, int]] = []
+        self._sweep_at = _SWEEP_AT
         self.uncompressed = self.compressed = self.n_compressed = 0
         self.n_kept = self.kept = self.dedup_hits = self.skipped = 0
 
     def _first_sight(self, t: torch.Tensor, root: torch.Tensor) -> bool:
-        key = t.untyped_storage().data_ptr()
+        key = storage_key(t)
         ref = self._storages.get(key)
         if ref is not None and ref() is not None:
             return False
+        if len(self._storages) >= self._sweep_at:
+            self._sweep()
         self._storages[key] = weakref.ref(root)
         return True
 
+    def _sweep(self) -> None:
+        # Only live entries matter for later lookups; without sweeping, a run that never
+        # resets would grow these tables by a few entries per saved tensor forever. The
+        # threshold doubles with what is live, so sweeping stays O(1) per saved tensor.
+        self._originals = [(ref, n) for ref, n in self._originals if ref() is not None]
+        self._storages = {k: ref for k, ref in self._storages.items() if ref() is not None}
+        self._sweep_at = max(_SWEEP_AT, 2 * max(len(self._originals), len(self._storages)))
+
     def add_compressed(self, t: torch.Tensor, root: torch.Tensor, packed_bytes: int) -> None:
         if self._first_sight(t, root):
-            self.uncompressed += storage_bytes(t)
+            self.uncompressed += t.untyped_storage().nbytes()
         self.compressed += packed_bytes
         self.n_compressed += 1
         self._originals.append((weakref.ref(root), t.numel() * t.element_size()))
-        if len(self._originals) > _PRUNE_AT:
-            self._prune()
-
-    def _prune(self) -> None:
-        # Only live entries matter for later lookups; without pruning a run that never
-        # resets would grow these tables by a few entries per saved tensor forever.
-        self._originals = [(ref, n) for ref, n in self._originals if ref() is not None]
-        self._storages = {k: ref for k, ref in self._storages.items() if ref() is not None}
+        if len(self._originals) >= self._sweep_at:
+            self._sweep()
 
     def add_kept(self, t: torch.Tensor, root: torch.Tensor) -> None:
-        if len(self._storages) > _PRUNE_AT:
-            self._prune()
         if self._first_sight(t, root):
-            self.uncompressed += storage_bytes(t)
-            self.compressed += storage_bytes(t)
-            self.kept += storage_bytes(t)
+            n = t.untyped_storage().nbytes()
+            self.uncompressed += n
+            self.compressed += n
+            self.kept += n
             self.n_kept += 1
 
     def add_other(self, t: torch.Tensor) -> None:

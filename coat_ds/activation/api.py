@@ -42,10 +42,15 @@ class ActivationCompression:
         self._contexts: list = []
         self._handles = []
         linears = {}
+        # A region's modules, listed once: walking module.buffers() on every forward costs
+        # a generator per submodule. Buffers themselves are read live (they may be replaced).
+        self._region_modules: dict[int, list[nn.Module]] = {}
         for _, region in regions:
             self._handles.append(region.register_forward_pre_hook(self._enter, with_kwargs=True))
             self._handles.append(region.register_forward_hook(self._exit, with_kwargs=True, always_call=True))
-            linears.update({id(m): m for m in region.modules() if isinstance(m, nn.Linear)})
+            mods = list(region.modules())
+            self._region_modules[id(region)] = mods
+            linears.update({id(m): m for m in mods if isinstance(m, nn.Linear)})
         for m in linears.values():
             self._handles.append(m.register_forward_pre_hook(self._linear_input))
 
@@ -63,8 +68,9 @@ class ActivationCompression:
                 for t in (a if isinstance(a, (tuple, list)) else (a,)):
                     if isinstance(t, torch.Tensor) and t.grad_fn is None:
                         comp.note_alive_anyway(t)
-        for b in module.buffers():
-            comp.note_alive_anyway(b)
+        for m in self._region_modules[id(module)]:
+            for b in m._buffers.values():
+                comp.note_alive_anyway(b)
         ctx = torch.autograd.graph.saved_tensors_hooks(comp.pack, comp.unpack)
         ctx.__enter__()
         self._contexts.append(ctx)

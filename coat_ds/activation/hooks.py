@@ -1,4 +1,11 @@
-"""The saved-tensor hooks: what to store in FP8, at which granularity, and what to leave alone."""
+"""The saved-tensor hooks: what to store in FP8, at which granularity, and what to leave alone.
+
+`pack` runs for every tensor autograd saves, on the host, while the GPU runs ahead; any
+microsecond here is paid per saved tensor and shows in step time once the host falls
+behind. So it reads only cheap tensor attributes (no storage objects, no torch.device
+objects in keys), keys tables by plain tuples in dicts of weak references, resolves
+formats and kernels once, and never reads a device value: nothing in pack or unpack
+synchronizes with the GPU."""
 from __future__ import annotations
 
 import weakref
@@ -8,13 +15,15 @@ from torch import nn
 
 from ..config import ActivationConfig
 from ..kernels.act_ops import get_act_ops
-from .accounting import Ledger
+from ..kernels.fp8 import get_format
+from .accounting import Ledger, storage_key
 from .packing import PER_GROUP, PER_TENSOR, FP8Saved, FP8View, memory_order
 
 __all__ = ["SavedTensorCompressor", "COMPILE_MESSAGE"]
 
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-_DEVICES = ("cuda", "cpu")
+_FLOATS = frozenset((torch.float32, torch.bfloat16, torch.float16))
+_PLAIN = torch.Tensor
+_is_compiling = torch.compiler.is_compiling
 
 COMPILE_MESSAGE = (
     "coat_ds.compress_activations: the saved-tensor pack hook is being traced by torch.compile "
@@ -23,29 +32,36 @@ COMPILE_MESSAGE = (
     "handle.remove() before compiling.")
 
 
-def _root(t: torch.Tensor) -> torch.Tensor:
-    """The tensor owning `t`'s storage in autograd's view tracking (`_base` is never itself a view)."""
-    return t._base if t._base is not None else t
+def _is_parameter(t: torch.Tensor) -> bool:
+    # nn.Parameter's isinstance is a Python metaclass hook; a plain torch.Tensor is never a
+    # Parameter (only subclass instances carry the `_is_param` mark it also accepts).
+    return type(t) is not _PLAIN and isinstance(t, nn.Parameter)
 
 
 class _WeakTable:
-    """key -> tensor, valid only while that tensor lives: keys are storage addresses, which
-    the allocator reuses once the tensor is gone."""
+    """key -> object, valid only while that object lives: keys hold addresses, which the
+    allocator reuses once the object is gone. Dead entries are dropped when the table has
+    doubled since the last sweep, so a sweep costs O(1) per insertion however many live."""
+
+    __slots__ = ("refs", "_sweep_at")
 
     def __init__(self):
-        self._refs: dict = {}
+        self.refs: dict = {}
+        self._sweep_at = 4096
 
-    def add(self, key, t: torch.Tensor) -> None:
-        if len(self._refs) > 4096:
-            self._refs = {k: r for k, r in self._refs.items() if r() is not None}
-        self._refs[key] = weakref.ref(t)
+    def add(self, key, obj) -> None:
+        refs = self.refs
+        if len(refs) >= self._sweep_at:
+            self.refs = refs = {k: r for k, r in refs.items() if r() is not None}
+            self._sweep_at = max(4096, 2 * len(refs))
+        refs[key] = weakref.ref(obj)
 
-    def __contains__(self, key) -> bool:
-        ref = self._refs.get(key)
-        return ref is not None and ref() is not None
+    def get(self, key):
+        ref = self.refs.get(key)
+        return ref() if ref is not None else None
 
     def clear(self) -> None:
-        self._refs.clear()
+        self.refs.clear()
 
 
 class SavedTensorCompressor:
@@ -56,71 +72,80 @@ class SavedTensorCompressor:
         self.ledger = Ledger()
         # One FP8 copy per saved tensor: a norm output saved by the q, k and v projections
         # is stored once. Entries die with the autograd graph that holds them.
-        self._fp8: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._fp8 = _WeakTable()
         self._linear_inputs = _WeakTable()
         self._keep = _WeakTable()
-        self._ops: dict[torch.device, object] = {}
+        self._ops: dict[tuple[str, int], object] = {}
+        self._min_numel = max(1, config.min_numel)
+        other = (PER_GROUP, get_format(config.other_format))
+        linear = (PER_TENSOR if config.per_tensor_linear_inputs else PER_GROUP, get_format(config.linear_input_format))
+        self._kinds = {False: other, True: linear}
+        self._group_size = config.group_size
 
     def note_linear_input(self, x) -> None:
-        if isinstance(x, torch.Tensor):
-            self._linear_inputs.add((x.device, x.data_ptr(), x.dtype, x.numel()), x)
+        if type(x) is _PLAIN:
+            self._linear_inputs.add((x.get_device(), x.data_ptr(), x.numel(), x.dtype), x)
 
     def note_alive_anyway(self, t) -> None:
         """`t` outlives the region (a leaf input the caller holds, a buffer): never copy it."""
-        if isinstance(t, torch.Tensor):
-            self._keep.add((t.device, t.untyped_storage().data_ptr()), t)
+        # Only plain tensors: pack returns subclasses and their views untouched anyway.
+        if type(t) is _PLAIN:
+            self._keep.add(storage_key(t), t)
 
-    def _ops_for(self, device: torch.device):
-        ops = self._ops.get(device)
+    def _ops_for(self, t: torch.Tensor):
+        dev = t.get_device()
+        ops = self._ops.get(dev)
         if ops is None:
-            ops = self._ops[device] = get_act_ops(device, self.config.backend)
+            ops = self._ops[dev] = get_act_ops(t.device, self.config.backend)
         return ops
 
     def pack(self, t: torch.Tensor):
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             raise RuntimeError(COMPILE_MESSAGE)
-        root = _root(t)
-        if isinstance(t, nn.Parameter) or isinstance(root, nn.Parameter):
-            # Weights (FSDP2/ZeRO-3 gathered ones included) are re-gathered for backward;
-            # a copy would keep a second full weight alive.
-            self.ledger.add_skipped(t)
+        ledger = self.ledger
+        if type(t) is not _PLAIN:
+            if isinstance(t, nn.Parameter):
+                # Weights (FSDP2/ZeRO-3 gathered ones included) are re-gathered for
+                # backward; a copy would keep a second full weight alive.
+                ledger.add_skipped(t)
+            else:
+                # Tensor subclasses (DTensor, FP8 wrappers) are not ours to copy.
+                ledger.add_other(t)
             return t
-        if type(t) is not torch.Tensor or t.device.type not in _DEVICES:
-            # Tensor subclasses (DTensor, FP8 wrappers) and other devices are not ours to copy.
-            self.ledger.add_other(t)
+        base = t._base
+        root = t if base is None else base
+        if base is not None and _is_parameter(base):
+            ledger.add_skipped(t)
             return t
-        if t.dtype not in _FLOATS or t.numel() < max(1, self.config.min_numel):
-            self.ledger.add_kept(t, root)
+        if not (t.is_cuda or t.is_cpu):
+            ledger.add_other(t)
             return t
-        if (t.device, t.untyped_storage().data_ptr()) in self._keep:
-            self.ledger.add_skipped(t)
+        if t.dtype not in _FLOATS or t.numel() < self._min_numel:
+            ledger.add_kept(t, root)
+            return t
+        if self._keep.refs and self._keep.get(storage_key(t)) is not None:
+            ledger.add_skipped(t)
             return t
         perm = memory_order(t)
         if perm is None:
-            self.ledger.add_kept(t, root)
+            ledger.add_kept(t, root)
             return t
         # A dense tensor is its first element's address plus its element count; views of the
         # same memory (any shape or strides) share one FP8 copy while its original lives.
-        key = (t.device, t.data_ptr(), t.numel(), t.dtype, t._version)
+        ident = (t.get_device(), t.data_ptr(), t.numel(), t.dtype)
+        key = (*ident, t._version)
         hit = self._fp8.get(key)
         if hit is not None and hit.origin() is not None:
-            self.ledger.dedup_hits += 1
-            same = hit.shape == tuple(t.shape) and hit.stride == t.stride()
-            return hit if same else FP8View(hit, t)
-        cfg = self.config
+            ledger.dedup_hits += 1
+            hit.pending += 1
+            return hit if (hit.shape == t.shape and hit.stride == t.stride()) else FP8View(hit, t)
         # A linear layer saves its input, or a 2-D view of it: same memory, same count.
-        if (t.device, t.data_ptr(), t.dtype, t.numel()) in self._linear_inputs:
-            kind = PER_TENSOR if cfg.per_tensor_linear_inputs else PER_GROUP
-            fmt = cfg.linear_input_format
-        else:
-            kind, fmt = PER_GROUP, cfg.other_format
-        with torch.no_grad():
-            saved = FP8Saved(t, perm, kind, fmt, cfg.group_size, self._ops_for(t.device))
-        saved.origin = weakref.ref(root)
-        self._fp8[key] = saved
-        self.ledger.add_compressed(t, root, saved.nbytes)
+        kind, fmt = self._kinds[self._linear_inputs.get(ident) is not None]
+        saved = FP8Saved(t.detach(), perm, kind, fmt, self._group_size, self._ops_for(t), weakref.ref(root))
+        self._fp8.add(key, saved)
+        ledger.add_compressed(t, root, saved.nbytes)
         return saved
 
     @staticmethod
     def unpack(saved):
-        return saved.restore() if isinstance(saved, (FP8Saved, FP8View)) else saved
+        return saved.restore() if type(saved) in (FP8Saved, FP8View) else saved

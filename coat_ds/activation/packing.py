@@ -1,4 +1,8 @@
-"""One saved tensor stored in FP8, and how it is restored for backward."""
+"""One saved tensor stored in FP8, and how it is restored for backward.
+
+Everything here runs once per saved tensor, on the host, while the GPU works ahead: the
+format, group size and kernels arrive resolved (no string parsing or dispatch per call),
+and a contiguous tensor, the common case, skips the permutations entirely."""
 from __future__ import annotations
 
 import weakref
@@ -12,12 +16,13 @@ PER_GROUP = "per_group"
 
 
 def memory_order(t: torch.Tensor) -> list[int] | None:
-    """A permutation under which `t` is contiguous, or None if `t` overlaps itself or has
-    gaps (an expanded or strided view: compressing its logical elements could cost more
-    than its storage). Quantizing in memory order keeps the original strides on restore
-    (some backward kernels expect them) and puts groups along the stride-1 dim."""
+    """A permutation under which `t` is contiguous ([] when it already is), or None if `t`
+    overlaps itself or has gaps (an expanded or strided view: compressing its logical
+    elements could cost more than its storage). Quantizing in memory order keeps the
+    original strides on restore (some backward kernels expect them) and puts groups along
+    the stride-1 dim."""
     if t.is_contiguous():
-        return list(range(t.dim()))
+        return []
     perm = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.shape[d]), reverse=True)
     return perm if t.permute(perm).is_contiguous() else None
 
@@ -25,40 +30,57 @@ def memory_order(t: torch.Tensor) -> list[int] | None:
 class FP8Saved:
     """FP8 codes plus power-of-two scale exponents of one saved tensor."""
 
-    __slots__ = ("codes", "exps", "kind", "fmt", "group_size", "dtype", "perm", "ops", "_restored",
-                 "origin", "shape", "stride", "__weakref__")
+    __slots__ = ("codes", "exps", "kind", "fmt", "group_size", "dtype", "inverse", "ops", "_restored",
+                 "pending", "origin", "shape", "stride", "__weakref__")
 
-    def __init__(self, t: torch.Tensor, perm: list[int], kind: str, fmt: str, group_size: int, ops):
-        x = t.detach().permute(perm)
+    def __init__(self, t: torch.Tensor, perm: list[int], kind: str, fmt, group_size: int, ops, origin: weakref.ref):
+        """`t` must not require grad (the hooks pass it detached); `fmt` an Fp8Format."""
+        x = t.permute(perm) if perm else t
         if kind == PER_TENSOR:
             self.codes, self.exps = ops.quantize_tensor(x, fmt)
         else:
             self.codes, self.exps = ops.quantize_rows(x, group_size, fmt)
         self.kind, self.fmt, self.group_size, self.ops = kind, fmt, group_size, ops
-        self.dtype, self.perm = t.dtype, perm
-        self.shape, self.stride = tuple(t.shape), t.stride()
+        self.dtype = t.dtype
+        self.shape, self.stride = t.shape, t.stride()
+        if perm:
+            inverse = [0] * len(perm)
+            for i, d in enumerate(perm):
+                inverse[d] = i
+            self.inverse = inverse
+        else:
+            self.inverse = None
         self._restored = None
-        self.origin = None  # weak reference to the tensor compressed, set by the hooks
+        # Saves this copy serves (the hooks count dedup hits) that backward has not yet
+        # unpacked; while some remain, the restored tensor is held.
+        self.pending = 1
+        self.origin = origin  # weak reference to the tensor compressed
 
     @property
     def nbytes(self) -> int:
         return self.codes.numel() * self.codes.element_size() + self.exps.numel() * self.exps.element_size()
 
     def restore(self) -> torch.Tensor:
-        """The dequantized tensor, with the original shape and strides. Several backward
-        nodes unpacking the same save share one restored tensor while it is alive."""
-        x = self._restored() if self._restored is not None else None
-        if x is not None:
-            return x
-        if self.kind == PER_TENSOR:
-            x = self.ops.dequantize_tensor(self.codes, self.exps, self.fmt, self.dtype)
-        else:
-            x = self.ops.dequantize_rows(self.codes, self.exps, self.group_size, self.fmt, self.dtype)
-        inverse = [0] * len(self.perm)
-        for i, d in enumerate(self.perm):
-            inverse[d] = i
-        x = x.permute(inverse)
-        self._restored = weakref.ref(x)
+        """The dequantized tensor, with the original shape and strides.
+
+        Every backward node that saved this tensor (q, k and v projections for one norm
+        output) gets the one restored tensor: it is held until the last of them has
+        unpacked, then only weakly. Without the hold it would die between those nodes and
+        be dequantized again for each (a launch and a full write each time). Holding it
+        costs no more than BF16 autograd, which keeps the original until the last of those
+        nodes has run."""
+        x = self._restored
+        if isinstance(x, weakref.ref):
+            x = x()
+        if x is None:
+            if self.kind == PER_TENSOR:
+                x = self.ops.dequantize_tensor(self.codes, self.exps, self.fmt, self.dtype)
+            else:
+                x = self.ops.dequantize_rows(self.codes, self.exps, self.group_size, self.fmt, self.dtype)
+            if self.inverse is not None:
+                x = x.permute(self.inverse)
+        self.pending -= 1
+        self._restored = x if self.pending > 0 else weakref.ref(x)
         return x
 
 
@@ -69,7 +91,7 @@ class FP8View:
     __slots__ = ("saved", "shape", "stride")
 
     def __init__(self, saved: FP8Saved, t: torch.Tensor):
-        self.saved, self.shape, self.stride = saved, tuple(t.shape), t.stride()
+        self.saved, self.shape, self.stride = saved, t.shape, t.stride()
 
     def restore(self) -> torch.Tensor:
         x = self.saved.restore()

@@ -8,9 +8,13 @@ bf16 scale would cost 1/8 (that difference alone would push a Llama block above 
 BF16). Scaling by a power of two instead of max/448 only leaves the top 0..1 binade of the
 FP8 range unused; FP8 precision is relative, so normal values lose nothing.
 
-Per-tensor scaling takes the tensor max in two stages ("group scaling" in COAT): every
-program reduces its block to one partial max, a single program reduces the partials and
-writes the exponent, and the quantizer reads that exponent from memory, with no host sync.
+Launches are what a saved tensor costs on the host, so each operation is one launch except
+per-tensor quantization, which needs the whole tensor's max before it can scale: every
+program of a first kernel folds its block's max into one int32 with `atomic_max` (the bits
+of a non-negative float order like the float, NaN above inf as torch's amax has it), and
+the quantizer reads that max back from device memory: two launches and a memset, no host
+sync. Offsets inside a program are int32 from an int64 block base: 64-bit arithmetic per
+element would cost instructions on the GPU for nothing.
 """
 from __future__ import annotations
 
@@ -19,15 +23,26 @@ import triton
 import triton.language as tl
 
 from .codec import decode_fp8, encode_fp8, pow2, scale_exponent
+from .act_launch import launch
 from .fp8 import get_format
-from .layout import group_layout
 
 __all__ = ["quantize_tensor", "dequantize_tensor", "quantize_rows", "dequantize_rows", "BLOCK_ELEMS"]
 
-# Elements per program: enough in flight per program on a GPU, few programs under the
-# interpreter (whose cost is per program instance).
+# Elements per program: a few thousand keeps enough bytes in flight per program on a GPU
+# (4 warps, 32 elements per thread: 16-byte loads of BF16) and few programs under the
+# interpreter, whose cost is per program instance.
 BLOCK_ELEMS = 4096
-_PARTIALS_BLOCK = 1024
+_NUM_WARPS = 4
+
+_OUT_MAX: dict = {}
+
+
+def _out_max(dtype: torch.dtype) -> float:
+    # torch.finfo costs a few microseconds a call; this runs once per dequantized tensor.
+    m = _OUT_MAX.get(dtype)
+    if m is None:
+        m = _OUT_MAX[dtype] = torch.finfo(dtype).max
+    return m
 
 
 @triton.jit
@@ -38,150 +53,165 @@ def _scale_exponent(amax, FMT: tl.constexpr):
 
 
 @triton.jit
-def _absmax_partial_kernel(x_ptr, partial_ptr, n, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-    tl.store(partial_ptr + pid, tl.max(tl.abs(x), axis=0))
+def _absmax_kernel(x_ptr, amax_bits_ptr, n, BLOCK: tl.constexpr):
+    base = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + base + offs, mask=offs < n - base, other=0.0).to(tl.float32)
+    block_max = tl.max(tl.abs(x), axis=0)
+    tl.atomic_max(amax_bits_ptr, block_max.to(tl.int32, bitcast=True))
 
 
 @triton.jit
-def _tensor_exponent_kernel(partial_ptr, exp_ptr, n_partials, FMT: tl.constexpr, BLOCK: tl.constexpr):
-    acc = tl.zeros((BLOCK,), tl.float32)
-    for start in range(0, n_partials, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        acc = tl.maximum(acc, tl.load(partial_ptr + offs, mask=offs < n_partials, other=0.0))
-    tl.store(exp_ptr, _scale_exponent(tl.max(acc, axis=0), FMT))
-
-
-@triton.jit
-def _quantize_tensor_kernel(x_ptr, exp_ptr, codes_ptr, n, FMT: tl.constexpr, BLOCK: tl.constexpr,
+def _quantize_tensor_kernel(x_ptr, amax_bits_ptr, exp_ptr, codes_ptr, n, FMT: tl.constexpr, BLOCK: tl.constexpr,
                             HW: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    e = tl.load(exp_ptr)
-    tl.store(codes_ptr + offs, encode_fp8(x * pow2(-e), FMT, HW), mask=mask)
+    pid = tl.program_id(0)
+    base = pid.to(tl.int64) * BLOCK
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n - base
+    x = tl.load(x_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
+    e = _scale_exponent(tl.load(amax_bits_ptr).to(tl.float32, bitcast=True), FMT)
+    if pid == 0:
+        tl.store(exp_ptr, e)
+    tl.store(codes_ptr + base + offs, encode_fp8(x * pow2(-e), FMT, HW), mask=mask)
 
 
 @triton.jit
 def _dequantize_tensor_kernel(codes_ptr, exp_ptr, out_ptr, n, out_max, FMT: tl.constexpr, BLOCK: tl.constexpr,
                               HW: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
+    base = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n - base
     e = tl.load(exp_ptr)
-    x = decode_fp8(tl.load(codes_ptr + offs, mask=mask, other=0), FMT, HW) * pow2(e)
+    x = decode_fp8(tl.load(codes_ptr + base + offs, mask=mask, other=0), FMT, HW) * pow2(e)
     # Rounding up at the top of the fp32/fp16 range could overflow; keep results finite.
     x = tl.minimum(tl.maximum(x, -out_max), out_max)
-    tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + base + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _row_group_offsets(gi, n_groups, cols, gpr, G: tl.constexpr, EVEN: tl.constexpr):
-    """Offsets [BG, G] and validity of groups `gi` of a (rows, cols) tensor; groups never
-    cross a row, so a row whose length is not a multiple of G ends in a short group.
+def _row_group_offsets(g0, n_groups, cols, gpr, G: tl.constexpr, BG: tl.constexpr, EVEN: tl.constexpr):
+    """(element offsets [BG, G], validity [BG, G], group indices [BG]) of the BG groups from
+    g0 on, as int32 offsets from the element where group g0 starts (the caller adds that
+    int64 base). Groups never cross a row: a row whose length is not a multiple of G ends
+    in a short group.
 
-    EVEN promises cols % G == 0: group gi is then elements [gi * G, gi * G + G) of the flat
-    tensor, a form whose contiguity Triton can see, so loads and stores are vectorized."""
+    EVEN promises cols % G == 0: the groups are then consecutive runs of G elements, a form
+    whose contiguity Triton can see, so loads and stores are 16-byte vectors."""
     lane = tl.arange(0, G)
+    gl = tl.arange(0, BG)
+    live = gl < n_groups - g0
     if EVEN:
-        return gi[:, None] * G + lane[None, :], (gi < n_groups)[:, None] & (lane < G)[None, :]
-    row = gi // gpr
-    col = (gi - row * gpr) * G
-    valid = (gi < n_groups)[:, None] & ((col[:, None] + lane[None, :]) < cols)
-    return (row * cols + col)[:, None] + lane[None, :], valid
+        return gl[:, None] * G + lane[None, :], live[:, None] & (lane < G)[None, :], gl
+    # Ragged rows: offsets relative to the start of g0's row, which sits at an int64 base.
+    row0 = g0 // gpr
+    gr = (g0 - row0 * gpr).to(tl.int32) + gl  # group index counted from row0's first group
+    row = gr // gpr
+    col = (gr - row * gpr) * G
+    valid = live[:, None] & ((col[:, None] + lane[None, :]) < cols)
+    return (row * cols + col)[:, None] + lane[None, :], valid, gl
+
+
+@triton.jit
+def _row_base(g0, cols, gpr, G: tl.constexpr, EVEN: tl.constexpr):
+    """int64 element offset that `_row_group_offsets`'s offsets are relative to."""
+    if EVEN:
+        return g0 * G
+    return (g0 // gpr) * cols
 
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, codes_ptr, exp_ptr, n_groups, cols, gpr,
                           FMT: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, EVEN: tl.constexpr,
                           HW: tl.constexpr):
-    gi = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
-    offs, valid = _row_group_offsets(gi, n_groups, cols, gpr, G, EVEN)
-    x = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    g0 = tl.program_id(0).to(tl.int64) * BG
+    offs, valid, gl = _row_group_offsets(g0, n_groups, cols, gpr, G, BG, EVEN)
+    base = _row_base(g0, cols, gpr, G, EVEN)
+    x = tl.load(x_ptr + base + offs, mask=valid, other=0.0).to(tl.float32)
     e = _scale_exponent(tl.max(tl.abs(x), axis=1), FMT)
-    tl.store(codes_ptr + offs, encode_fp8(x * pow2(-e)[:, None], FMT, HW), mask=valid)
-    tl.store(exp_ptr + gi, e.to(tl.int8), mask=gi < n_groups)
+    tl.store(codes_ptr + base + offs, encode_fp8(x * pow2(-e)[:, None], FMT, HW), mask=valid)
+    tl.store(exp_ptr + g0 + gl, e.to(tl.int8), mask=gl < n_groups - g0)
 
 
 @triton.jit
 def _dequantize_rows_kernel(codes_ptr, exp_ptr, out_ptr, n_groups, cols, gpr, out_max,
                             FMT: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, EVEN: tl.constexpr,
                             HW: tl.constexpr):
-    gi = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
-    offs, valid = _row_group_offsets(gi, n_groups, cols, gpr, G, EVEN)
-    e = tl.load(exp_ptr + gi, mask=gi < n_groups, other=0).to(tl.int32)
-    x = decode_fp8(tl.load(codes_ptr + offs, mask=valid, other=0), FMT, HW) * pow2(e)[:, None]
+    g0 = tl.program_id(0).to(tl.int64) * BG
+    offs, valid, gl = _row_group_offsets(g0, n_groups, cols, gpr, G, BG, EVEN)
+    base = _row_base(g0, cols, gpr, G, EVEN)
+    e = tl.load(exp_ptr + g0 + gl, mask=gl < n_groups - g0, other=0).to(tl.int32)
+    x = decode_fp8(tl.load(codes_ptr + base + offs, mask=valid, other=0), FMT, HW) * pow2(e)[:, None]
     x = tl.minimum(tl.maximum(x, -out_max), out_max)
-    tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=valid)
+    tl.store(out_ptr + base + offs, x.to(out_ptr.dtype.element_ty), mask=valid)
 
 
-def _hw(t: torch.Tensor) -> bool:
-    """Compiled for a GPU (hardware FP8 casts) rather than run by the interpreter."""
-    return t.device.type == "cuda"
-
-
-def _flat(x: torch.Tensor) -> torch.Tensor:
+def _check(x: torch.Tensor) -> bool:
+    """True when compiled for a GPU (hardware FP8 casts), False under the interpreter."""
     if not x.is_contiguous():
         raise ValueError("activation kernels take contiguous tensors")
-    return x
+    return x.is_cuda
+
+
+def _rows(shape, numel: int, group_size: int) -> tuple[int, int, int]:
+    """(rows, cols, groups per row) of the kernels' (rows, cols) view: see layout.group_layout."""
+    cols = shape[-1] if len(shape) else 1
+    rows = numel // cols if cols else 0
+    return rows, cols, (-(-cols // group_size) if cols else 0)
 
 
 def quantize_tensor(x: torch.Tensor, fmt="e4m3") -> tuple[torch.Tensor, torch.Tensor]:
     """Per-tensor FP8: (uint8 codes shaped like x, int32 exponent e of shape ()); x ~ q * 2**e."""
-    f = get_format(fmt)
-    x = _flat(x)
+    hw = _check(x)
+    fmt_id = get_format(fmt).id
     n = x.numel()
     codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
-    exp = torch.empty((), dtype=torch.int32, device=x.device)
+    # [max |x| as int32 bits, exponent]: one buffer, one memset.
+    scratch = torch.zeros(2, dtype=torch.int32, device=x.device)
+    exp = scratch[1]
     n_prog = max(1, triton.cdiv(n, BLOCK_ELEMS))
-    partial = torch.empty(n_prog, dtype=torch.float32, device=x.device)
-    _absmax_partial_kernel[(n_prog,)](x, partial, n, BLOCK=BLOCK_ELEMS)
-    _tensor_exponent_kernel[(1,)](partial, exp, n_prog, FMT=f.id, BLOCK=_PARTIALS_BLOCK)
     if n:
-        _quantize_tensor_kernel[(n_prog,)](x, exp, codes, n, FMT=f.id, BLOCK=BLOCK_ELEMS, HW=_hw(x))
+        launch(_absmax_kernel, n_prog, (x, scratch, n), (BLOCK_ELEMS,), _NUM_WARPS)
+    launch(_quantize_tensor_kernel, n_prog, (x, scratch, exp, codes, n), (fmt_id, BLOCK_ELEMS, hw), _NUM_WARPS)
     return codes, exp
 
 
 def dequantize_tensor(codes: torch.Tensor, exp: torch.Tensor, fmt="e4m3",
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of `quantize_tensor`, written in `dtype`."""
-    f = get_format(fmt)
-    codes = _flat(codes)
+    hw = _check(codes)
     out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
     n = codes.numel()
     if n:
-        _dequantize_tensor_kernel[(triton.cdiv(n, BLOCK_ELEMS),)](
-            codes, exp, out, n, torch.finfo(dtype).max, FMT=f.id, BLOCK=BLOCK_ELEMS, HW=_hw(codes))
+        launch(_dequantize_tensor_kernel, triton.cdiv(n, BLOCK_ELEMS), (codes, exp, out, n, _out_max(dtype)),
+               (get_format(fmt).id, BLOCK_ELEMS, hw), _NUM_WARPS)
     return out
 
 
 def quantize_rows(x: torch.Tensor, group_size: int = 16, fmt="e4m3") -> tuple[torch.Tensor, torch.Tensor]:
     """Per-group FP8 along the last dim: (uint8 codes shaped like x, int8 exponents of shape
     (rows, ceil(cols / G))); a short last group per row is padded with zeros."""
-    f = get_format(fmt)
-    x = _flat(x)
-    lay = group_layout(x.shape, group_size)
+    hw = _check(x)
+    rows, cols, gpr = _rows(x.shape, x.numel(), group_size)
     codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
-    exps = torch.empty(lay.meta_shape, dtype=torch.int8, device=x.device)
-    if lay.num_groups:
+    exps = torch.empty((rows, gpr), dtype=torch.int8, device=x.device)
+    n_groups = rows * gpr
+    if n_groups:
         bg = max(1, BLOCK_ELEMS // group_size)
-        _quantize_rows_kernel[(triton.cdiv(lay.num_groups, bg),)](
-            x, codes, exps, lay.num_groups, lay.cols, lay.groups_per_row, FMT=f.id, G=group_size, BG=bg,
-            EVEN=lay.cols % group_size == 0, HW=_hw(x))
+        launch(_quantize_rows_kernel, triton.cdiv(n_groups, bg), (x, codes, exps, n_groups, cols, gpr),
+               (get_format(fmt).id, group_size, bg, cols % group_size == 0, hw), _NUM_WARPS)
     return codes, exps
 
 
 def dequantize_rows(codes: torch.Tensor, exps: torch.Tensor, group_size: int = 16, fmt="e4m3",
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of `quantize_rows`, written in `dtype`."""
-    f = get_format(fmt)
-    codes = _flat(codes)
-    lay = group_layout(codes.shape, group_size)
+    hw = _check(codes)
+    rows, cols, gpr = _rows(codes.shape, codes.numel(), group_size)
     out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
-    if lay.num_groups:
+    n_groups = rows * gpr
+    if n_groups:
         bg = max(1, BLOCK_ELEMS // group_size)
-        _dequantize_rows_kernel[(triton.cdiv(lay.num_groups, bg),)](
-            codes, exps, out, lay.num_groups, lay.cols, lay.groups_per_row, torch.finfo(dtype).max,
-            FMT=f.id, G=group_size, BG=bg, EVEN=lay.cols % group_size == 0, HW=_hw(codes))
+        launch(_dequantize_rows_kernel, triton.cdiv(n_groups, bg), (codes, exps, out, n_groups, cols, gpr,
+                                                                    _out_max(dtype)),
+               (get_format(fmt).id, group_size, bg, cols % group_size == 0, hw), _NUM_WARPS)
     return out

@@ -1,0 +1,265 @@
+"""One side of the comparison (baseline or COAT) set up for training under one engine.
+
+A `Trainee` exposes what the profiler needs and nothing more: one training step split into
+forward / backward / step (so the allocator can be read between them), and the tensors that
+are the engine's actual weights, gradients and optimizer state on this rank (local shards).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..activation import compress_activations
+from ..config import ActivationConfig
+from ..integrations.deepspeed import local_partitions, prepare_config
+from ..model import Llama, ModelConfig
+from ..optim import CoatAdamW
+
+__all__ = ["Side", "load_side", "Trainee", "build_trainee", "unique_storage_bytes"]
+
+
+@dataclass(frozen=True)
+class Side:
+    """One column of the comparison, read from a DeepSpeed JSON."""
+
+    name: str  # "baseline" or "coat"
+    config_path: str  # the DeepSpeed JSON it came from
+    coat_kwargs: dict | None  # CoatAdamW keyword arguments, or None for torch AdamW
+    adamw_kwargs: dict  # torch AdamW keyword arguments (used when coat_kwargs is None)
+
+    @property
+    def is_coat(self) -> bool:
+        """COAT = CoatAdamW + FP8 activation compression; anything else is the BF16 baseline."""
+        return self.coat_kwargs is not None
+
+
+def load_side(name: str, path: str) -> Side:
+    _, coat_kwargs = prepare_config(path)
+    with open(path) as f:
+        section = json.load(f).get("optimizer") or {}
+    params = dict(section.get("params") or {})
+    # DeepSpeed-only switches: which AdamW implementation it picks, not a hyper-parameter.
+    for key in ("torch_adam", "fused", "adam_w_mode"):
+        params.pop(key, None)
+    if "betas" in params:
+        params["betas"] = tuple(params["betas"])
+    return Side(name, path, coat_kwargs, params)
+
+
+def unique_storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors`: views of one flat buffer count once,
+    with the buffer's padding, because that is what the allocator holds."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        if hasattr(t, "to_local"):  # DTensor: this rank's shard
+            t = t.to_local()
+        s = t.untyped_storage()
+        if s.data_ptr() == 0 or s.data_ptr() in seen:
+            continue
+        seen.add(s.data_ptr())
+        total += s.nbytes()
+    return total
+
+
+def _tensors_in(obj, depth: int = 3):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth and isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors_in(v, depth - 1)
+    elif depth and isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors_in(v, depth - 1)
+
+
+class Trainee:
+    """Base: a model, an optimizer, optional activation compression."""
+
+    engine = "none"
+
+    def __init__(self, side: Side, model: nn.Module, device: torch.device):
+        self.side, self.device = side, device
+        self.model = model
+        # Hooks first, engine second: the hooks sit on the modules, so every engine keeps them.
+        self.activations = compress_activations(model, config=ActivationConfig()) if side.is_coat else None
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def backward(self, loss: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def zero_grad(self) -> None:
+        raise NotImplementedError
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer whose `.state` holds the moments."""
+        raise NotImplementedError
+
+    def optimizer_state_bytes(self) -> int:
+        # Every state tensor but the step counter: FP32 exp_avg/exp_avg_sq for AdamW; FP8
+        # codes, scales, k and centres (plus FP32 moments of tiny tensors) for CoatAdamW.
+        return unique_storage_bytes(t for s in self.optimizer().state.values() for k, t in s.items()
+                                    if torch.is_tensor(t) and k != "step")
+
+    def close(self) -> None:
+        if self.activations is not None:
+            self.activations.remove()
+
+
+def _make_optimizer(side: Side, params, device: torch.device) -> torch.optim.Optimizer:
+    if side.is_coat:
+        return CoatAdamW(params, **side.coat_kwargs)
+    return torch.optim.AdamW(params, fused=device.type == "cuda", **side.adamw_kwargs)
+
+
+class PlainTrainee(Trainee):
+    """BF16 model + FP32 master weights in the optimizer, as DeepSpeed's bf16 mode keeps them,
+    in one process without an engine."""
+
+    def __init__(self, side: Side, model: nn.Module, device: torch.device):
+        model = model.to(torch.bfloat16)
+        super().__init__(side, model, device)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.masters = [p.detach().float() for p in self.params]
+        self.opt = _make_optimizer(side, self.masters, device)
+
+    def forward(self, idx, targets):
+        return self.model(idx, targets)
+
+    def backward(self, loss):
+        loss.backward()
+
+    @torch.no_grad()
+    def step(self):
+        # FP32 copies of the BF16 gradients exist only during the step, as in DeepSpeed's
+        # bf16 mode: the meter's step peak sees them, the gradients figure (after backward) not.
+        for m, p in zip(self.masters, self.params):
+            m.grad = p.grad.float()
+        self.opt.step()
+        for m, p in zip(self.masters, self.params):
+            m.grad = None
+            p.copy_(m)
+        self.zero_grad()
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+        for m in self.masters:
+            m.grad = None
+
+    def weight_tensors(self):
+        return [*self.params, *self.masters]
+
+    def grad_tensors(self):
+        return [p.grad for p in self.params]
+
+    def optimizer(self):
+        return self.opt
+
+
+class DeepSpeedTrainee(Trainee):
+    engine = "deepspeed"
+
+    def __init__(self, side: Side, model: nn.Module, device: torch.device):
+        from ..integrations.deepspeed import initialize
+
+        super().__init__(side, model, device)
+        # The coat_ds initializer builds CoatAdamW from the JSON; a baseline JSON passes through.
+        self.ds, _, _, _ = initialize(model=model, config=side.config_path)
+
+    def forward(self, idx, targets):
+        return self.ds(idx, targets)
+
+    def backward(self, loss):
+        self.ds.backward(loss)
+
+    def step(self):
+        self.ds.step()
+
+    def zero_grad(self):
+        self.ds.optimizer.zero_grad(set_to_none=True)
+
+    def weight_tensors(self):
+        # Under ZeRO-3 a parameter's `data` is an empty placeholder and `ds_tensor` this
+        # rank's partition; the FP32 master partitions are what the optimizer steps.
+        params = [getattr(p, "ds_tensor", p.data) for p in self.ds.module.parameters()]
+        return params + [t for t, _ in local_partitions(self.ds)]
+
+    def grad_tensors(self):
+        # Gradients live where the ZeRO stage puts them: on the parameters (stage 1, before
+        # reduction), in the optimizer's partition buffers (averaged_gradients, ipg buffers,
+        # stage 3's flat grad partitions) and on the FP32 partitions during the step.
+        zopt = self.ds.optimizer
+        found = [p.grad for p in self.ds.module.parameters()]
+        found += [t.grad for t, _ in local_partitions(self.ds)]
+        for key, value in vars(zopt).items():
+            if "grad" in key.lower():
+                found.extend(_tensors_in(value))
+        weights = {t.untyped_storage().data_ptr() for t in self.weight_tensors()}
+        return [t for t in found if t is not None and t.untyped_storage().data_ptr() not in weights]
+
+    def optimizer(self):
+        return getattr(self.ds.optimizer, "optimizer", self.ds.optimizer)
+
+    def close(self):
+        super().close()
+        self.ds.destroy()
+
+
+class FsdpTrainee(Trainee):
+    engine = "fsdp"
+
+    def __init__(self, side: Side, model: nn.Module, device: torch.device):
+        from ..integrations.fsdp import setup_fsdp
+
+        super().__init__(side, model, device)
+        # FP32 sharded parameters, gathered in BF16 for compute (FSDP2 mixed precision).
+        self.model = setup_fsdp(model, mode="fsdp2", param_dtype=torch.bfloat16)
+        self.opt = _make_optimizer(side, [p for p in self.model.parameters() if p.requires_grad], device)
+
+    def forward(self, idx, targets):
+        return self.model(idx, targets)
+
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self):
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def zero_grad(self):
+        self.opt.zero_grad(set_to_none=True)
+
+    def weight_tensors(self):
+        return list(self.model.parameters())
+
+    def grad_tensors(self):
+        return [p.grad for p in self.model.parameters()]
+
+    def optimizer(self):
+        return self.opt
+
+
+_TRAINEES = {"none": PlainTrainee, "deepspeed": DeepSpeedTrainee, "fsdp": FsdpTrainee}
+
+
+def build_trainee(engine: str, side: Side, mcfg: ModelConfig, device: torch.device, seed: int) -> Trainee:
+    torch.manual_seed(seed)  # identical initial weights on every rank and for both sides
+    with torch.device(device):  # initialise on the GPU: a 7B model's CPU init takes minutes
+        model = Llama(mcfg)
+    return _TRAINEES[engine](side, model, device)

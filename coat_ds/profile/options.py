@@ -1,0 +1,66 @@
+"""What one profiler run is asked to do: a frozen, validated record of the command line."""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+__all__ = ["ProfileOptions", "parse_options", "ENGINES"]
+
+ENGINES = ("none", "deepspeed", "fsdp")
+
+
+@dataclass(frozen=True)
+class ProfileOptions:
+    """One profiler run."""
+
+    model: str  # preset name from coat_ds.model.PRESETS, or a YAML file with `preset:` (and optional `seq_len:`)
+    engine: str = "none"  # "none" (one process, plain PyTorch), "deepspeed" or "fsdp"
+    config: str = "ds_configs/coat_zero2.json"  # DeepSpeed JSON of the COAT side (every engine uses its optimizer)
+    baseline: str = "ds_configs/bf16_zero2.json"  # DeepSpeed JSON of the BF16 + torch AdamW side
+    budget_gb: float | None = None  # per-rank budget, GB (1e9 bytes); None: the GPU's memory (required on CPU)
+    seq_len: int | None = None  # tokens per sequence; None: the YAML's seq_len, else the preset's max_seq_len
+    out: str = "profile_out"  # directory for profile.json and profile.png
+    measure_batches: tuple[int, int] = (1, 2)  # the two micro-batches whose activation bytes give the per-sample slope
+    max_batch: int = 4096  # the search never tries a larger micro-batch
+    throughput_steps: int = 3  # timed steps at each side's max micro-batch (CUDA only; 0: skip)
+    seed: int = 0  # initial weights and token ids
+
+    def __post_init__(self):
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        for name in ("config", "baseline"):
+            if not os.path.isfile(getattr(self, name)):
+                raise ValueError(f"--{name}: no such file {getattr(self, name)!r}")
+        if self.budget_gb is not None and not self.budget_gb > 0:
+            raise ValueError(f"--budget-gb must be > 0, got {self.budget_gb!r}")
+        if self.seq_len is not None and self.seq_len <= 0:
+            raise ValueError(f"--seq-len must be > 0, got {self.seq_len!r}")
+        b1, b2 = self.measure_batches
+        if not 1 <= b1 < b2:
+            raise ValueError(f"measure batches must satisfy 1 <= b1 < b2, got {self.measure_batches!r}")
+        if self.max_batch < 1 or self.throughput_steps < 0:
+            raise ValueError("--max-batch must be >= 1 and --throughput-steps >= 0")
+
+
+def parse_options(argv: list[str] | None = None) -> ProfileOptions:
+    p = argparse.ArgumentParser(prog="python -m coat_ds.profile",
+                                description="Where training memory goes under BF16 AdamW and under COAT, "
+                                            "and the largest micro-batch each fits.")
+    p.add_argument("--model", required=True, help="preset name (tiny, small, 1b, 7b, ...) or YAML config")
+    p.add_argument("--engine", default="none", choices=ENGINES)
+    p.add_argument("--config", default=ProfileOptions.config, help="DeepSpeed JSON of the COAT side")
+    p.add_argument("--baseline", default=ProfileOptions.baseline, help="DeepSpeed JSON of the baseline side")
+    p.add_argument("--budget-gb", type=float, default=None, help="memory budget per rank (GB); required on CPU")
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--out", default=ProfileOptions.out)
+    p.add_argument("--measure-batches", type=int, nargs=2, default=list(ProfileOptions.measure_batches),
+                   metavar=("B1", "B2"))
+    p.add_argument("--max-batch", type=int, default=ProfileOptions.max_batch)
+    p.add_argument("--throughput-steps", type=int, default=ProfileOptions.throughput_steps)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
+    a = p.parse_args(argv)
+    return ProfileOptions(model=a.model, engine=a.engine, config=a.config, baseline=a.baseline, budget_gb=a.budget_gb,
+                          seq_len=a.seq_len, out=a.out, measure_batches=tuple(a.measure_batches),
+                          max_batch=a.max_batch, throughput_steps=a.throughput_steps, seed=a.seed)

@@ -1,0 +1,92 @@
+"""The profiler's three outputs: a Markdown table, a JSON file and a PNG chart."""
+from __future__ import annotations
+
+import json
+import os
+
+__all__ = ["markdown_table", "write_json", "write_chart", "CHART_SIZE_PX", "COMPONENTS"]
+
+GB = 1e9  # decimal gigabytes, as --budget-gb
+CHART_SIZE_PX = (900, 560)  # width, height of the PNG
+_DPI = 100
+COMPONENTS = (("weights", "weights_bytes"), ("gradients", "gradients_bytes"),
+              ("optimizer states", "optimizer_state_bytes"), ("engine buffers", "engine_buffer_bytes"))
+
+
+def _gb(x) -> str:
+    return "-" if x is None else f"{x / GB:.3f}"
+
+
+def _ratio(x) -> str:
+    return "- (the baseline fits no batch)" if x is None else f"{x:.2f}x"
+
+
+def markdown_table(result: dict) -> str:
+    """One row per side and rank; memory in GB (1e9 bytes)."""
+    b1, b2 = result["measure_batches"]
+    head = ("| side | rank | weights | gradients | optimizer states | activations / sample (hooks) "
+            f"| activations @ b={b2}: hooks / meter after fwd / meter fwd peak | engine buffers "
+            f"| sum of components @ b={b2} "
+            f"| measured total @ b={b2} | max micro-batch | tokens/s |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for name in ("baseline", "coat"):
+        side = result["sides"][name]
+        for r in side["ranks"]:
+            p = r["points"][1]
+            tps = side.get("tokens_per_s")
+            lines.append(
+                f"| {name} | {r['rank']} | {_gb(r['weights_bytes'])} | {_gb(r['gradients_bytes'])} "
+                f"| {_gb(r['optimizer_state_bytes'])} | {_gb(r['activation_bytes_per_sample'])} "
+                f"| {_gb(p['hooks_bytes'])} / {_gb(p['after_forward_bytes'])} / {_gb(p['forward_peak_bytes'])} "
+                f"| {_gb(r['engine_buffer_bytes'])} "
+                f"| {_gb(r['components_sum_bytes'])} | {_gb(r['measured_total_bytes'])} "
+                f"| {side['max_micro_batch']} | {'-' if tps is None else f'{tps:,.0f}'} |")
+    ratios = result["ratios"]
+    lines.append("")
+    lines.append(f"COAT / baseline (rank 0): optimizer states {ratios['optimizer_states']:.3f}x, "
+                 f"activations per sample {ratios['activations_per_sample']:.3f}x, "
+                 f"max micro-batch {_ratio(ratios['max_micro_batch'])}. Memory in GB (1e9 bytes), per rank; "
+                 f"budget {_gb(result['budget_bytes'])} GB ({result['search']}). Meter: {result['meter']}.")
+    return "\n".join(lines)
+
+
+def write_json(result: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+def write_chart(result: dict, path: str) -> None:
+    """Stacked bars (rank 0): weights, gradients, optimizer states, engine buffers and activations of each side
+    at the same micro-batch (the baseline's largest, so the two bars compare like for like),
+    each bar labelled with that side's own max micro-batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on training nodes
+    import matplotlib.pyplot as plt
+
+    ref = max(1, result["sides"]["baseline"]["max_micro_batch"])
+    names = ("baseline", "coat")
+    fig, ax = plt.subplots(figsize=(CHART_SIZE_PX[0] / _DPI, CHART_SIZE_PX[1] / _DPI), dpi=_DPI)
+    colors = ("#4C72B0", "#55A868", "#C44E52", "#AAAAAA", "#8172B2")
+    bottoms = [0.0, 0.0]
+    stacks = [(label, [result["sides"][n]["ranks"][0][key] / GB for n in names]) for label, key in COMPONENTS]
+    stacks.append((f"activations @ micro-batch {ref}",
+                   [result["sides"][n]["activations_at_ref_bytes"] / GB for n in names]))
+    for (label, values), color in zip(stacks, colors):
+        ax.bar(names, values, bottom=bottoms, label=label, color=color, width=0.55)
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    for i, n in enumerate(names):
+        ax.text(i, bottoms[i], f"max micro-batch {result['sides'][n]['max_micro_batch']}",
+                ha="center", va="bottom", fontsize=10, fontweight="bold")
+    if result["budget_bytes"]:
+        ax.axhline(result["budget_bytes"] / GB, color="black", linestyle="--", linewidth=1, label="budget")
+    ax.set_ylim(0, max(max(bottoms), (result["budget_bytes"] or 0) / GB) * 1.15)
+    ax.set_ylabel("GB per rank (rank 0)")
+    ax.set_title(f"{result['model']['name']}, seq {result['seq_len']}, engine {result['engine']}, "
+                 f"{result['world_size']} rank(s)")
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=_DPI)
+    plt.close(fig)
