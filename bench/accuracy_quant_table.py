@@ -187,7 +187,7 @@ def planted_zero_study(moments, fmt: str = "e4m3") -> dict:
     return out
 
 
-def markdown(table: dict, zero: dict, planted: dict, meta: dict) -> str:
+def markdown(table: dict, zero: dict, planted: dict) -> str:
     cols = [label(*f) for f in FORMATS]
     best = min(table.values())
     lines = [f"| first \\ second | {' | '.join(cols)} |", "|---" * (len(cols) + 1) + "|"]
@@ -260,7 +260,7 @@ def main(argv=None) -> dict:
                 zero_preset=args.zero_preset, zero_loss_first=zl0, zero_loss_last=zl1,
                 elements=sum(m.numel() for _, m, _ in moments), seconds=round(time.time() - t0, 1))
     print(json.dumps(meta, indent=1))
-    print(markdown(table, zero, planted, meta))
+    print(markdown(table, zero, planted))
     result = dict(meta=meta, table={f"{a} / {b}": e for (a, b), e in table.items()}, zero_groups=zero,
                   planted_zero=planted)
     if args.json:

@@ -196,17 +196,20 @@ def _device_ms(fn, reps):
     return start.elapsed_time(end) / reps
 
 
-def _host_us(fn, reps=200):
+def _host_us(fn, reps=100, batches=7):
     """Host time per call on a tiny tensor (the GPU finishes each call before the next is
-    enqueued, so this is launch and Python cost)."""
+    enqueued, so this is launch and Python cost): median over batches, as a shared host's
+    timings jump from batch to batch."""
     fn()
+    per_batch = []
+    for _ in range(batches):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        per_batch.append((time.perf_counter() - t0) / reps * 1e6)
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / reps * 1e6
+    return statistics.median(per_batch)
 
 
 def _kernel_cases(ops, x):

@@ -27,22 +27,24 @@ def data():
 
 
 def test_coat_adamw_loss_matches_torch_adamw(data):
-    """Tiny preset, 200 steps: CoatAdamW's validation loss within 1% of torch AdamW's.
+    """Tiny preset, 200 steps, same seed and batches: CoatAdamW's validation loss and mean
+    train loss over the second half within 1% of torch AdamW's.
 
-    Why 1%: it is the project's goal for the GPU run (the paper's gap is 0.4%), and at this
-    size the gap we measure is ~0.1% (docs/accuracy.md) while a broken quantizer is far
-    outside it: moments stored without DRE (plain per-group E4M3) end 2-3% worse here
-    (the second moment's small values flush to zero and blow up the update)."""
+    Why 1% is a fair bound here: it is the project's goal (the paper's gap is 0.4%); at this
+    setting (peak LR 1e-3) we measured paired gaps of at most 0.1% over seeds 1337, 1 and 2,
+    while AdamW's own seed-to-seed spread was ~5% (docs/accuracy.md). At LR 3e-3 the tiny
+    model's runs are chaotic (paired gaps of -1% to +3% between any two perturbed runs), so a
+    1% bound there would test luck, not the optimizer."""
     lp = _bench("loss_parity")
-    args = SimpleNamespace(preset="tiny", steps=200, batch_size=8, seq_len=64, lr=3e-3, warmup=20,
+    args = SimpleNamespace(preset="tiny", steps=200, batch_size=8, seq_len=64, lr=1e-3, warmup=20,
                            weight_decay=0.1, seed=1337, eval_batches=16, fp32=True, log_interval=0)
     dev = torch.device("cpu")
     base = lp.run_variant("adamw", args, data, dev)
     coat = lp.run_variant("coat", args, data, dev)
-    assert base["curve"][-1] < base["curve"][0] - 1.5, "the baseline must actually train"
-    rel = coat["val_loss"] / base["val_loss"] - 1
-    assert abs(rel) <= 0.01, (coat["val_loss"], base["val_loss"])
-    assert abs(coat["final_train_loss"] / base["final_train_loss"] - 1) <= 0.01
+    assert base["curve"][-1] < base["curve"][0] - 2.0, "the baseline must actually train"
+    assert abs(coat["val_loss"] / base["val_loss"] - 1) <= 0.01, (coat["val_loss"], base["val_loss"])
+    half = lambda r: sum(r["curve"][100:]) / len(r["curve"][100:])  # noqa: E731
+    assert abs(half(coat) / half(base) - 1) <= 0.01, (half(coat), half(base))
 
 
 def test_quant_table_ranking_on_real_moments(data):

@@ -3,6 +3,8 @@ the alive-anyway measurement, and training loss against the uncompressed run."""
 from __future__ import annotations
 
 import os
+import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -99,6 +101,26 @@ def test_tensor_saved_by_several_ops_is_compressed_once():
     # x (per-group, 1 byte + 1/16) plus h once (1 byte + one exponent); a*b saves both products.
     per = 64 * 64
     assert st.compressed_bytes < 4 * per * 1.1
+
+
+def test_shared_save_is_dequantized_once_for_all_its_users():
+    # h is saved by three linears; backward restores it once and hands the one tensor to
+    # all three nodes, however far apart they run, then lets it go.
+    m = _SharedInput()
+    handle = coat_ds.compress_activations(m, config=CFG)
+    seen = _spy(handle)
+    ops = handle.compressor._ops_for(torch.empty(0))
+    calls = []
+    counted = SimpleNamespace(**vars(ops))
+    for name in ("dequantize_tensor", "dequantize_rows"):
+        fn = getattr(ops, name)
+        setattr(counted, name, lambda *a, _fn=fn, **k: calls.append(1) or _fn(*a, **k))
+    handle.compressor._ops[-1] = counted
+    x = torch.randn(4, 16, 64)
+    m(x * 1.0).sum().backward()
+    assert len(calls) == handle.stats().compressed_tensors
+    shared = next(out for t, out in seen if isinstance(out, FP8Saved) and out.kind == "per_tensor")
+    assert shared.pending == 0 and isinstance(shared._restored, weakref.ref)
 
 
 class _MulSave(torch.autograd.Function):

@@ -96,3 +96,18 @@ def test_per_tensor_two_stage_max_spans_programs(device):
     c, e = ops.quantize_tensor(x)
     assert int(e) == int(ref.act_scale_exponent(torch.tensor(300.0), ref.get_format("e4m3")))
     assert ops.dequantize_tensor(c, e)[-1] == 288.0  # E4M3's step is 32 in [256, 448]
+
+
+def test_launch_cache_key_separates_what_triton_specializes_on():
+    # A compiled kernel is reused only for arguments Triton would have compiled it for:
+    # pointer dtype and 16-byte alignment, integer divisibility by 16, value 1, width.
+    from coat_ds.kernels.act_launch import _spec
+
+    buf = torch.empty(64)
+    assert _spec((buf,)) == _spec((torch.empty(32),))
+    assert _spec((buf,)) != _spec((buf[1:],))  # 4 bytes off: not 16-byte aligned
+    assert _spec((buf,)) != _spec((buf.to(torch.bfloat16),))
+    assert _spec((32,)) == _spec((4096,)) != _spec((33,))
+    assert _spec((1,)) != _spec((33,))
+    assert _spec((2**31 + 16,)) != _spec((16,))
+    assert _spec((1.5,)) == _spec((3.0e38,))

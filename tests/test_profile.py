@@ -85,7 +85,10 @@ def _check_search(result: dict) -> None:
         assert any(m.predicted_total(best + 1) > budget for m in ranks)
         tried = [t["batch"] for t in result["sides"][side]["trials"]]
         assert tried[:3] == [1, 2, 4]  # doubling first
-        assert best in tried
+        # rank 0's trials (in the JSON): its own answer is its largest fit; the reported one, the
+        # minimum over ranks, is no larger.
+        own = max(t["batch"] for t in result["sides"][side]["trials"] if t["fits"])
+        assert best <= own and (best == own or result["world_size"] > 1)
     assert result["sides"]["coat"]["max_micro_batch"] > result["sides"]["baseline"]["max_micro_batch"]
 
 

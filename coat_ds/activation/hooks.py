@@ -60,9 +60,6 @@ class _WeakTable:
         ref = self.refs.get(key)
         return ref() if ref is not None else None
 
-    def clear(self) -> None:
-        self.refs.clear()
-
 
 class SavedTensorCompressor:
     """pack/unpack functions for `torch.autograd.graph.saved_tensors_hooks`, with its ledger."""
