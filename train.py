@@ -126,7 +126,19 @@ class Runner:
     device: torch.device
 
 
+def eval_loss_of(module: torch.nn.Module) -> Callable:
+    """(x, y) -> loss in eval mode, without gradients, leaving `module` in train mode."""
+    @torch.no_grad()
+    def eval_loss(x, y):
+        module.eval()
+        loss = module(x, y)
+        module.train()
+        return loss
+    return eval_loss
+
+
 def setup_deepspeed(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
+    from coat_ds.engines import optimizer_state_bytes
     from coat_ds.integrations.deepspeed import initialize
     from coat_ds.integrations.deepspeed_checkpoint import load_checkpoint
 
@@ -140,26 +152,15 @@ def setup_deepspeed(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
         engine.step()
         return loss
 
-    @torch.no_grad()
-    def eval_loss(x, y):
-        engine.eval()
-        loss = engine(x, y)
-        engine.train()
-        return loss
 
     def load(load_dir):
         return load_checkpoint(engine, load_dir)[1]
 
-    def optimizer_state_bytes():
-        # Whatever the optimizer (CoatAdamW or the torch AdamW baseline): every state tensor
-        # but the step counter, on this rank's partition.
-        base = getattr(engine.optimizer, "optimizer", engine.optimizer)
-        return sum(t.numel() * t.element_size() for s in base.state.values() for k, t in s.items()
-                   if torch.is_tensor(t) and k != "step")
-
-    return Runner(train_micro_step, eval_loss,
+    base_optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)  # inside ZeRO's wrapper
+    return Runner(train_micro_step, eval_loss_of(engine),
                   save=lambda d, tag, client: engine.save_checkpoint(d, tag=tag, client_state=client),
-                  load=load, lr=lambda: engine.get_lr()[0], optimizer_state_bytes=optimizer_state_bytes,
+                  load=load, lr=lambda: engine.get_lr()[0],
+                  optimizer_state_bytes=lambda: optimizer_state_bytes(base_optimizer),
                   micro_batch=engine.train_micro_batch_size_per_gpu(),
                   grad_accum=engine.gradient_accumulation_steps(), device=engine.device)
 
@@ -189,12 +190,6 @@ def setup_fsdp_engine(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
             sched.step()
         return loss.detach()
 
-    @torch.no_grad()
-    def eval_loss(x, y):
-        model.eval()
-        loss = model(x, y)
-        model.train()
-        return loss
 
     def load(load_dir):
         step = load_checkpoint(load_dir, model, optim)
@@ -204,7 +199,7 @@ def setup_fsdp_engine(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
             group["lr"] = base * lr_factor(cfg, step)
         return {"step": step}
 
-    return Runner(train_micro_step, eval_loss,
+    return Runner(train_micro_step, eval_loss_of(model),
                   save=lambda d, tag, client: save_checkpoint(os.path.join(d, tag), model, optim, client["step"]),
                   load=load, lr=lambda: optim.param_groups[0]["lr"],
                   optimizer_state_bytes=lambda: optimizer_state_bytes(optim),

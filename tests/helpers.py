@@ -1,5 +1,7 @@
 """Shared test utilities (no fixtures: plain functions)."""
+import json
 import math
+import socket
 
 import torch
 
@@ -17,3 +19,19 @@ def moments_like(shape, seed: int, device="cpu"):
     m = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape, generator=g) * 1.5) * 1e-3
     v = m**2 * torch.exp(torch.randn(shape, generator=g).abs() * 2) + 1e-30
     return m.to(device), v.to(device)
+
+
+def free_port() -> int:
+    """A free local TCP port: other suites may launch torchrun at the same time."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def read_metrics(path) -> dict[int, dict]:
+    """train.py's --metrics-file (JSON lines) merged per step."""
+    out: dict[int, dict] = {}
+    for line in open(path):
+        m = json.loads(line)
+        out.setdefault(m["step"], {}).update(m)
+    return out

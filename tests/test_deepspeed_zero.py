@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+
+from helpers import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -180,18 +181,11 @@ def worker_reshard(stage: int, out: str) -> None:
 
 # -- pytest side ------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    # Other suites may run torchrun on this machine at the same time: never assume a port.
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _launch(nproc: int, scenario: str, stage: int, out) -> None:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(_free_port()), __file__, scenario, str(stage), str(out)]
+           str(free_port()), __file__, scenario, str(stage), str(out)]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import struct
 import subprocess
 import sys
 
 import pytest
+
+from helpers import free_port
 
 from coat_ds.profile import ProfileOptions, SideMeasurement, parse_options, profile, search_max_batch
 from coat_ds.profile.report import CHART_SIZE_PX
@@ -150,12 +151,6 @@ def test_cpu_needs_a_budget(tmp_path):
         profile(ProfileOptions(model="no-such-model", budget_gb=1.0, out=str(tmp_path)))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_deepspeed_zero2_two_ranks(tmp_path, plain):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
@@ -164,7 +159,7 @@ def test_deepspeed_zero2_two_ranks(tmp_path, plain):
     # backward: the budget must hold it.
     budget_gb = 1.2
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(_free_port()), "-m", "coat_ds.profile", *ARGS, "--engine", "deepspeed",
+           str(free_port()), "-m", "coat_ds.profile", *ARGS, "--engine", "deepspeed",
            "--config", "ds_configs/coat_zero2.json", "--baseline", "ds_configs/bf16_zero2.json",
            "--budget-gb", str(budget_gb), "--out", str(tmp_path)]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -2,42 +2,28 @@
 2 CPU ranks, then a resume from its mid-run checkpoint that must reproduce the same losses."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
 import pytest
 
+from helpers import free_port, read_metrics
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _run(tmp_path, *flags) -> subprocess.CompletedProcess:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [DEEPSPEED, "--num_accelerators", "2", "--master_port", str(_free_port()), "train.py",
+    cmd = [DEEPSPEED, "--num_accelerators", "2", "--master_port", str(free_port()), "train.py",
            "--deepspeed", "ds_configs/coat_zero2.json", "--config", "configs/tiny.yaml",
            "--max-steps", "12", "--log-interval", "2", "--eval-interval", "6", "--save-interval", "6", *flags]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     return proc
-
-
-def _metrics(path) -> dict[int, dict]:
-    out: dict[int, dict] = {}
-    for line in open(path):
-        m = json.loads(line)
-        out.setdefault(m["step"], {}).update(m)
-    return out
 
 
 @pytest.mark.slow
@@ -49,7 +35,7 @@ def test_train_py_coat_zero2_smoke_and_resume(tmp_path):
     assert "resolved config:" in out and "preset: tiny" in out
     assert "bytes/param" in out and "saves" in out  # start-up optimizer-state report
     assert "tok/s" in out and "peak mem" in out and "eval loss" in out and "step 12/12 (100%)" in out
-    ref = _metrics(tmp_path / "full.jsonl")
+    ref = read_metrics(tmp_path / "full.jsonl")
     assert ref[12]["loss"] < ref[2]["loss"] - 0.2
     assert "eval_loss" in ref[6] and "eval_loss" in ref[12]
     assert (save / "step6").is_dir() and (save / "step12").is_dir()
@@ -59,7 +45,7 @@ def test_train_py_coat_zero2_smoke_and_resume(tmp_path):
     resumed = _run(tmp_path, "--resume", str(tmp_path / "resume" / "step6"),
                    "--metrics-file", str(tmp_path / "resumed.jsonl"))
     assert "resumed from" in resumed.stdout and "at step 6" in resumed.stdout
-    got = _metrics(tmp_path / "resumed.jsonl")
+    got = read_metrics(tmp_path / "resumed.jsonl")
     assert sorted(k for k, m in got.items() if "loss" in m) == [8, 10, 12]
     assert got[7]["optimizer_state_gb"] == ref[1]["optimizer_state_gb"] > 0
     for step in (8, 10, 12):

@@ -6,39 +6,26 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
+from helpers import free_port, read_metrics
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _run(nproc: int, *flags) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [TORCHRUN, "--nproc_per_node", str(nproc), "--master_port", str(_free_port()), "train.py", "--fsdp",
+    cmd = [TORCHRUN, "--nproc_per_node", str(nproc), "--master_port", str(free_port()), "train.py", "--fsdp",
            "--config", "configs/tiny.yaml", "--max-steps", "6", "--log-interval", "2", "--eval-interval", "0",
            "--eval-batches", "2", *flags]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     # A non-zero status includes a SIGABRT of a gloo group at interpreter exit.
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     return proc
-
-
-def _metrics(path) -> dict[int, dict]:
-    out: dict[int, dict] = {}
-    for line in open(path):
-        m = json.loads(line)
-        out.setdefault(m["step"], {}).update(m)
-    return out
 
 
 @pytest.mark.slow
@@ -51,7 +38,7 @@ def test_train_py_fsdp2_smoke_and_resume(tmp_path):
     assert "2 rank(s), micro-batch 8" in out  # the batch size of the DeepSpeed JSON
     assert "optimizer state:" in out and "tok/s" in out and "peak mem" in out and "eval loss" in out
     assert "step 6/6 (100%)" in out
-    ref = _metrics(tmp_path / "full.jsonl")
+    ref = read_metrics(tmp_path / "full.jsonl")
     losses = [ref[s]["loss"] for s in (2, 4, 6)]
     assert all(math.isfinite(v) for v in losses) and losses[2] < losses[0]
     assert ref[1]["optimizer_state_gb"] > 0
@@ -60,14 +47,14 @@ def test_train_py_fsdp2_smoke_and_resume(tmp_path):
     # Same world size: steps 5..6 see the same batches and state, so the same losses.
     same = _run(2, "--resume", str(save / "step4"), "--metrics-file", str(tmp_path / "same.jsonl"))
     assert "resumed from" in same.stdout and "at step 4" in same.stdout
-    got = _metrics(tmp_path / "same.jsonl")
+    got = read_metrics(tmp_path / "same.jsonl")
     assert got[6]["loss"] == ref[6]["loss"] and got[6]["eval_loss"] == ref[6]["eval_loss"]
 
     # One rank: DCP reshards the checkpoint; this rank now holds the whole optimizer state
     # (the report counts local shards, so it doubles) and training goes on from step 4.
     one = _run(1, "--resume", str(save / "step4"), "--metrics-file", str(tmp_path / "one.jsonl"))
     assert "1 rank(s)" in one.stdout and "at step 4" in one.stdout and "step 6/6 (100%)" in one.stdout
-    got = _metrics(tmp_path / "one.jsonl")
+    got = read_metrics(tmp_path / "one.jsonl")
     assert sorted(k for k, m in got.items() if "loss" in m) == [6]
     assert math.isfinite(got[6]["loss"]) and got[6]["loss"] < ref[2]["loss"]
     assert got[5]["optimizer_state_gb"] == pytest.approx(2 * ref[1]["optimizer_state_gb"], rel=0.02)
@@ -80,7 +67,7 @@ def test_train_py_fsdp1_adamw_baseline_with_activation_compression(tmp_path):
                 "--max-steps", "4", "--metrics-file", str(tmp_path / "m.jsonl"))
     assert "fsdp_mode: fsdp1" in proc.stdout and "compress_activations: true" in proc.stdout
     assert "saved activations" in proc.stdout and "step 4/4 (100%)" in proc.stdout
-    got = _metrics(tmp_path / "m.jsonl")
+    got = read_metrics(tmp_path / "m.jsonl")
     assert 0 < got[1]["activation_compression_ratio"] < 0.8  # FP8 codes: about half of BF16/FP32
     assert math.isfinite(got[4]["loss"])
 

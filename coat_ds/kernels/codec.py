@@ -19,12 +19,16 @@ def fmt_max(FMT: tl.constexpr):
 
 
 @triton.jit
-def log2(x, HW: tl.constexpr):
+def _sfu(x, ASM: tl.constexpr):
     # The .ftz forms are one special-function instruction; without .ftz ptxas wraps each in
     # subnormal range fix-ups. Callers treat subnormal magnitudes as zero on the GPU.
+    return tl.inline_asm_elementwise(ASM, "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def log2(x, HW: tl.constexpr):
     if HW:
-        return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
-                                         is_pure=True, pack=1)
+        return _sfu(x, "lg2.approx.ftz.f32 $0, $1;")
     else:
         return tl.log2(x)
 
@@ -32,8 +36,7 @@ def log2(x, HW: tl.constexpr):
 @triton.jit
 def exp2(x, HW: tl.constexpr):
     if HW:
-        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
-                                         is_pure=True, pack=1)
+        return _sfu(x, "ex2.approx.ftz.f32 $0, $1;")
     else:
         return tl.exp2(x)
 
@@ -41,8 +44,7 @@ def exp2(x, HW: tl.constexpr):
 @triton.jit
 def rcp(x, HW: tl.constexpr):
     if HW:
-        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
-                                         is_pure=True, pack=1)
+        return _sfu(x, "rcp.approx.ftz.f32 $0, $1;")
     else:
         return 1.0 / x
 
