@@ -304,3 +304,8 @@ def test_offline_converter_cli(runs, tmp_path):
 if __name__ == "__main__":
     scenario, stage, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     {"zero": worker_zero, "reshard": worker_reshard}[scenario](stage, out)
+    if torch.distributed.is_initialized():
+        # End the gloo group on every rank together, not during interpreter shutdown, where
+        # its teardown can SIGABRT a finished worker.
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
