@@ -163,14 +163,24 @@ class CoatAdamW(torch.optim.Optimizer):
     def _config_of(self) -> dict[int, OptimStateConfig]:
         return {id(p): self._validate(g)[1] for g in self.param_groups for p in g["params"]}
 
+    def _by_saved_id(self, saved_groups: list[dict]) -> list[tuple[int, torch.Tensor]]:
+        """(id in a state dict, parameter) pairs: ids number the parameters in group order,
+        as torch's state_dict / load_state_dict do."""
+        ids = itertools.chain.from_iterable(g["params"] for g in saved_groups)
+        return list(zip(ids, itertools.chain.from_iterable(g["params"] for g in self.param_groups)))
+
+    def _forget_cached(self) -> None:
+        # Kernel address tables and cached state views point at the replaced tensors.
+        self._plan_cache.clear()
+        self._entries.clear()
+
     def state_dict(self) -> dict:
         """As torch's; for DTensor (FSDP2) parameters every shaped state tensor is a DTensor
         on the parameter's mesh (views of the live state, see `optim/sharded.py`), so
         `torch.distributed.checkpoint` saves each rank's shard and can reshard on load."""
         sd = super().state_dict()
         cfg_of = self._config_of()
-        params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
-        for pid, p in zip(itertools.chain.from_iterable(g["params"] for g in sd["param_groups"]), params):
+        for pid, p in self._by_saved_id(sd["param_groups"]):
             if isinstance(p, DTensor) and pid in sd["state"]:
                 sd["state"][pid] = sharded.to_dtensor_state(sd["state"][pid], p, cfg_of[id(p)])
         return sd
@@ -183,9 +193,7 @@ class CoatAdamW(torch.optim.Optimizer):
         saved = state_dict["state"]
         super().load_state_dict({**state_dict, "state": {}})
         cfg_of = self._config_of()
-        saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
-        params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
-        for pid, p in zip(saved_ids, params):
+        for pid, p in self._by_saved_id(state_dict["param_groups"]):
             if pid not in saved:
                 continue
             entry = saved[pid]
@@ -194,19 +202,16 @@ class CoatAdamW(torch.optim.Optimizer):
             device = _local(p).device
             self.state[p] = {k: (v.detach().clone().cpu() if k == "step" else v.detach().to(device, copy=True))
                              if torch.is_tensor(v) else v for k, v in entry.items()}
-        self._plan_cache.clear()
-        self._entries.clear()
+        self._forget_cached()
 
     def fp32_state_dict(self) -> dict:
         """This optimizer's state in torch.optim.AdamW's layout (FP32 exp_avg/exp_avg_sq);
         DTensors like the parameter for DTensor parameters."""
         sd = super().state_dict()
-        by_id = dict(zip(itertools.chain.from_iterable(g["params"] for g in sd["param_groups"]),
-                         itertools.chain.from_iterable(g["params"] for g in self.param_groups)))
-        group_of = {id(p): g for g in self.param_groups for p in g["params"]}
-        sd["state"] = {pid: st.to_fp32(self.state[p], self._validate(group_of[id(p)])[1])
-                       for pid, p in by_id.items() if self.state.get(p)}
-        for pid, p in by_id.items():
+        pairs = self._by_saved_id(sd["param_groups"])
+        cfg_of = self._config_of()
+        sd["state"] = {pid: st.to_fp32(self.state[p], cfg_of[id(p)]) for pid, p in pairs if self.state.get(p)}
+        for pid, p in pairs:
             if isinstance(p, DTensor) and pid in sd["state"]:
                 sd["state"][pid] = {k: sharded.wrap_like(v, p) if k in st.MOMENTS else v
                                     for k, v in sd["state"][pid].items()}
@@ -217,14 +222,11 @@ class CoatAdamW(torch.optim.Optimizer):
         torch.optim.AdamW itself), quantizing its moments. DTensor moments (of a sharded
         optimizer) give this rank's local shard."""
         super().load_state_dict({**state_dict, "state": {}})
-        saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
-        for group in self.param_groups:
-            _, cfg = self._validate(group)
-            for p in group["params"]:
-                pid = next(saved_ids)
-                if pid in state_dict["state"]:
-                    quant = sharded.global_numel(p) >= cfg.min_quant_numel
-                    fp32 = sharded.local_fp32_state(state_dict["state"][pid])
-                    self.state[p] = st.from_fp32(fp32, _local(p), quant, cfg)
-        self._plan_cache.clear()
-        self._entries.clear()
+        cfg_of = self._config_of()
+        for pid, p in self._by_saved_id(state_dict["param_groups"]):
+            if pid in state_dict["state"]:
+                cfg = cfg_of[id(p)]
+                quant = sharded.global_numel(p) >= cfg.min_quant_numel
+                fp32 = sharded.local_fp32_state(state_dict["state"][pid])
+                self.state[p] = st.from_fp32(fp32, _local(p), quant, cfg)
+        self._forget_cached()
