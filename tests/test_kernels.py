@@ -90,6 +90,16 @@ def test_quantize_error_bounds(tri, device, fmt):
     assert ((plain_v == 0) & (v != 0)).sum() > 0
 
 
+@pytest.mark.parametrize("shape", [(0, 130), (0,), (3, 0)])
+def test_empty_tensors_round_trip(tri, device, shape):
+    """FSDP hands some ranks an empty shard of a parameter."""
+    x = torch.zeros(shape, device=device)
+    for ops in (tri, R):
+        q = ops.quantize_groups(x, 128, "e4m3", True)
+        assert q.codes.shape == x.shape and q.center.numel() == 0
+        assert ops.dequantize_groups(q, 128, "e4m3").shape == x.shape
+
+
 def test_extreme_magnitudes_stay_finite(tri, device):
     x = torch.tensor([1e-38, 3e38, -1e-45, 1.0, 0.0, -2e30] * 30, device=device)
     for fmt in FORMATS:

@@ -77,7 +77,7 @@ def _grouped(x: torch.Tensor, group_size: int) -> torch.Tensor:
 
 def _ungrouped(xg: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     cols = shape[-1] if len(shape) else 1
-    return xg.reshape(xg.shape[0], -1)[:, :cols].reshape(shape)
+    return xg.flatten(1)[:, :cols].reshape(shape)
 
 
 def _quantize_grouped(xg: torch.Tensor, fmt: Fp8Format, dre: bool) -> QuantizedGroups:

@@ -65,10 +65,7 @@ def to_fp32(state: dict, cfg: OptimStateConfig) -> dict:
     out = {"step": state["step"].clone()}
     for name, fmt in _formats(cfg).items():
         mom = moment(state, name)
-        if isinstance(mom, QuantizedGroups) and mom.codes.numel() == 0:
-            # An empty shard (FSDP hands some ranks none of a parameter): nothing to decode.
-            out[name] = torch.zeros(mom.codes.shape, dtype=torch.float32, device=mom.codes.device)
-        elif isinstance(mom, QuantizedGroups):
+        if isinstance(mom, QuantizedGroups):
             ops = get_ops(mom.codes.device, cfg.backend)
             out[name] = ops.dequantize_groups(mom, cfg.group_size, fmt)
         else:
@@ -83,10 +80,7 @@ def from_fp32(fp32_state: dict, local: torch.Tensor, quantize: bool, cfg: OptimS
         src = fp32_state[name].detach().to(device=local.device, dtype=torch.float32)
         if src.shape != local.shape:
             raise ValueError(f"{name} has shape {tuple(src.shape)}, parameter has {tuple(local.shape)}")
-        if quantize and src.numel() == 0:
-            qg = _zero_moment(src, cfg.group_size)
-            state.update({f"{name}_{part}": t for part, t in zip(_PARTS, qg)})
-        elif quantize:
+        if quantize:
             qg = get_ops(local.device, cfg.backend).quantize_groups(src, cfg.group_size, fmt,
                                                                    cfg.dynamic_range_expansion)
             state.update({f"{name}_{part}": t for part, t in zip(_PARTS, qg)})
