@@ -242,15 +242,21 @@ def test_fsdp1_matches_single_process(tmp_path, use_orig_params):
 # -- FSDP2 DCP checkpoints --------------------------------------------------------------------
 
 
-def _fsdp2_ckpt_worker(rank, world, init, ckpt):
-    """Save after 3 steps, load into a freshly built model and optimizer, check the state
-    came back bit-exact, then both continue 2 steps and must stay bit-identical."""
+def _trained_fsdp2_saved(rank, world, init, ckpt):
+    """FSDP2 model and CoatAdamW after 3 steps, checkpointed at `ckpt` as step 3."""
     _init(rank, world, init)
     torch.manual_seed(0)
     model = setup_fsdp(Net(300), mode="fsdp2")
     optim = _optim(model.parameters())
     _train(model, optim, range(3), rank, world)
     save_checkpoint(ckpt, model, optim, step=3)
+    return model, optim
+
+
+def _fsdp2_ckpt_worker(rank, world, init, ckpt):
+    """Save after 3 steps, load into a freshly built model and optimizer, check the state
+    came back bit-exact, then both continue 2 steps and must stay bit-identical."""
+    model, optim = _trained_fsdp2_saved(rank, world, init, ckpt)
     saved = _local_state(optim)
 
     torch.manual_seed(1)  # different initial weights: everything must come from the checkpoint
@@ -288,12 +294,7 @@ def test_fsdp2_dcp_roundtrip_resumes_identically(tmp_path):
 
 
 def _fsdp2_save_worker(rank, world, init, ckpt, out):
-    _init(rank, world, init)
-    torch.manual_seed(0)
-    model = setup_fsdp(Net(300), mode="fsdp2")
-    optim = _optim(model.parameters())
-    _train(model, optim, range(3), rank, world)
-    save_checkpoint(ckpt, model, optim, step=3)
+    model, optim = _trained_fsdp2_saved(rank, world, init, ckpt)
     full_osd = _full_optim_state(model, optim)
     at_save = _full_params(model)
     _train(model, optim, range(3, 5), rank, world)
