@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from .integrations.deepspeed import prepare_config
 from .optim import CoatAdamW
 
-__all__ = ["DsTrainSettings", "read_ds_settings", "build_optimizer", "optimizer_state_bytes"]
+__all__ = ["DsTrainSettings", "read_ds_settings", "optimizer_settings", "build_optimizer", "optimizer_state_bytes"]
 
 # DeepSpeed's own switches in an Adam/AdamW `params` section that torch.optim does not take:
 # `torch_adam` picks torch's implementation (what we use anyway), `adam_w_mode` is read below.
@@ -61,22 +61,28 @@ def read_ds_settings(path: str, world_size: int) -> DsTrainSettings:
         # FP16 needs loss scaling, which DeepSpeed does and the FSDP path does not.
         raise ValueError(f"{path}: fp16 is not supported by the FSDP engine; use bf16")
     micro, accum = _batch_sizes(ds, world_size)
-    section = ds.get("optimizer") or {}
-    kind = str(section.get("type", ""))
-    _, coat_kwargs = prepare_config(ds)  # validates CoatAdamW's params exactly as the DeepSpeed path does
-    if coat_kwargs is not None:
-        kind, params = "CoatAdamW", coat_kwargs
-    elif kind.lower() in ("adamw", "adam"):
-        params = dict(section.get("params") or {})
-        # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false.
-        kind = "AdamW" if kind.lower() == "adamw" or params.get("adam_w_mode", True) else "Adam"
-        params = {k: v for k, v in params.items() if k not in _DEEPSPEED_ONLY_ADAM_KEYS}
-        if "betas" in params:
-            params["betas"] = tuple(params["betas"])
-    else:
-        raise ValueError(f"{path}: optimizer.type must be CoatAdamW, AdamW or Adam for the FSDP engine, got {kind!r}")
+    kind, params = optimizer_settings(ds, path)
     return DsTrainSettings(micro, accum, float(ds.get("gradient_clipping", 0.0)),
                            bool((ds.get("bf16") or {}).get("enabled", False)), kind, params)
+
+
+def optimizer_settings(ds: dict, path: str) -> tuple[str, dict]:
+    """("CoatAdamW" | "AdamW" | "Adam", keyword arguments) of the JSON's optimizer section,
+    without DeepSpeed-only switches; CoatAdamW's are validated as the DeepSpeed path does."""
+    section = ds.get("optimizer") or {}
+    kind = str(section.get("type", ""))
+    _, coat_kwargs = prepare_config(ds)
+    if coat_kwargs is not None:
+        return "CoatAdamW", coat_kwargs
+    if kind.lower() not in ("adamw", "adam"):
+        raise ValueError(f"{path}: optimizer.type must be CoatAdamW, AdamW or Adam, got {kind!r}")
+    params = dict(section.get("params") or {})
+    # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false.
+    kind = "AdamW" if kind.lower() == "adamw" or params.get("adam_w_mode", True) else "Adam"
+    params = {k: v for k, v in params.items() if k not in _DEEPSPEED_ONLY_ADAM_KEYS}
+    if "betas" in params:
+        params["betas"] = tuple(params["betas"])
+    return kind, params
 
 
 def build_optimizer(settings: DsTrainSettings, params) -> torch.optim.Optimizer:

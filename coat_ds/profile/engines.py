@@ -14,7 +14,8 @@ from torch import nn
 
 from ..activation import compress_activations
 from ..config import ActivationConfig
-from ..integrations.deepspeed import local_partitions, prepare_config
+from ..engines import optimizer_settings
+from ..integrations.deepspeed import local_partitions
 from ..model import Llama, ModelConfig
 from ..optim import CoatAdamW
 
@@ -37,16 +38,12 @@ class Side:
 
 
 def load_side(name: str, path: str) -> Side:
-    _, coat_kwargs = prepare_config(path)
     with open(path) as f:
-        section = json.load(f).get("optimizer") or {}
-    params = dict(section.get("params") or {})
-    # DeepSpeed-only switches: which AdamW implementation it picks, not a hyper-parameter.
-    for key in ("torch_adam", "fused", "adam_w_mode"):
-        params.pop(key, None)
-    if "betas" in params:
-        params["betas"] = tuple(params["betas"])
-    return Side(name, path, coat_kwargs, params)
+        kind, params = optimizer_settings(json.load(f), path)
+    if kind == "CoatAdamW":
+        return Side(name, path, params, {})
+    # The baseline picks its AdamW implementation by device (fused on CUDA).
+    return Side(name, path, None, {k: v for k, v in params.items() if k != "fused"})
 
 
 def unique_storage_bytes(tensors) -> int:
