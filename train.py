@@ -333,9 +333,10 @@ def main(argv=None) -> None:
             t0 = time.perf_counter()
     if metrics:
         metrics.close()
-    if cfg.engine == "fsdp":
-        # We created the group, so we end it: a gloo group still alive while the interpreter
-        # shuts down can SIGABRT and turn a finished run into a failed exit status.
+    if dist.is_initialized():
+        # End the group here, on every rank together: a gloo group still alive while the
+        # interpreter shuts down can SIGABRT and turn a finished run into a failed exit status
+        # (seen under both engines).
         dist.barrier()
         dist.destroy_process_group()
 
