@@ -290,7 +290,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--profile", action="store_true", help="also profile one compressed step of the 1.1B model")
-    ap.add_argument("--bs", type=int, default=2, help="batch size of the 1.1B model (larger: less host-bound)")
+    ap.add_argument("--bs", type=int, nargs="+", default=[2], help="batch sizes of the 1.1B model (larger: less "
+                    "host-bound); the profile uses the last")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -315,12 +316,14 @@ def main():
     # ~1.1B parameters (TinyLlama-1.1B shape): 22 layers, hidden 2048, GQA 32/4, MLP 5632.
     model = Llama(32000, 2048, 22, 32, 4, 5632).to(dev, dt)
     n_params = sum(p.numel() for p in model.parameters())
-    ids = torch.randint(0, 32000, (args.bs, 2048), device=dev)
+    for bs in args.bs:
+        ids = torch.randint(0, 32000, (bs, 2048), device=dev)
 
-    def lm_loss(logits):
-        return F.cross_entropy(logits[:, :-1].reshape(-1, 32000).float(), ids[:, 1:].reshape(-1))
+        def lm_loss(logits, ids=ids):
+            return F.cross_entropy(logits[:, :-1].reshape(-1, 32000).float(), ids[:, 1:].reshape(-1))
 
-    rows += bench_model(f"Llama {n_params / 1e9:.2f}B, seq 2048, bs {args.bs}", model, lambda: (ids,), lm_loss, steps)
+        rows += bench_model(f"Llama {n_params / 1e9:.2f}B, seq 2048, bs {bs}", model, lambda: (ids,), lm_loss,
+                            steps)
 
     print(f"\n# device: {torch.cuda.get_device_name()}  (bench took {time.time() - t_start:.0f} s)")
     print("\n## Activation kernels, 64M BF16 elements (device time, queue full) and host time per call")

@@ -15,7 +15,10 @@ and 16-byte alignment, each integer's divisibility by 16, equality to 1 and widt
 constexprs, num_warps and the device, so a kernel compiled under one specialization is
 never launched with arguments of another. Where a launch hook is installed (a profiler
 such as proton) the launch goes through `CompiledKernel[grid]`, which builds the hooks'
-metadata. Under the interpreter (CPU tensors) every call goes through `JITFunction`."""
+metadata. Triton 3.6 on keeps its launch hooks in a `HookChain`, never None: a chain with no
+hooks counts as none (taking it for an installed hook sent every launch down the slow path,
+which builds launch metadata and calls the empty chain twice). Under the interpreter (CPU
+tensors) every call goes through `JITFunction`."""
 from __future__ import annotations
 
 import torch
@@ -28,6 +31,10 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _current_device = getattr(torch._C, "_cuda_getDevice", None)
 _Tensor = torch.Tensor
 _I32_END = 2**31
+
+
+def _hooked(hook) -> bool:
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def _spec(args: tuple) -> tuple:
@@ -56,7 +63,7 @@ def launch(fn, n_prog: int, args: tuple, consts: tuple, num_warps: int) -> None:
         _COMPILED[key] = fn[(n_prog, 1, 1)](*args, *consts, num_warps=num_warps)
         return
     rt = knobs.runtime
-    if _raw_stream is None or rt.launch_enter_hook is not None or rt.launch_exit_hook is not None:
+    if _raw_stream is None or _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook):
         kernel[(n_prog, 1, 1)](*args, *consts)
         return
     kernel.run(n_prog, 1, 1, _raw_stream(_current_device()), kernel.function, kernel.packed_metadata, None, None,
