@@ -133,6 +133,10 @@ def profile(opts: ProfileOptions) -> dict:
             holder["t"] = build_trainee(opts.engine, side, mcfg, device, opts.seed)
 
         resident_at_start = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+        if resident_at_start and resident_at_start > 0.01 * budget:
+            # Charged to this side: its engine buffers and its max micro-batch are then off.
+            say(f"[{key}] WARNING: {resident_at_start / 1e9:.3f} GB from the previous side is still allocated; "
+                "this side's engine buffers, peak and max micro-batch include it")
         say(f"[{key}] building ({opts.engine}, {side.config_path})")
         rebuild()
         m = measure_side(holder["t"], opts.measure_batches, seq_len, VOCAB, opts.seed, rank, say)
