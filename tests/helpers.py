@@ -1,7 +1,9 @@
 """Shared test utilities (no fixtures: plain functions)."""
 import json
 import math
+import os
 import socket
+import subprocess
 
 import torch
 
@@ -26,6 +28,20 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_in_repo(cmd: list[str], timeout: int, **env) -> subprocess.CompletedProcess:
+    """Run `cmd` (a launcher and train.py, say) from the repository root with the repo on
+    PYTHONPATH, one OpenMP thread and `env` added; fail with its output unless it exits 0.
+    A non-zero status includes a SIGABRT of a gloo group at interpreter exit."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           **env}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    return proc
 
 
 def read_metrics(path) -> dict[int, dict]:

@@ -42,16 +42,22 @@ def _optim(params):
     return coat_ds.CoatAdamW(params, lr=1e-2, min_quant_numel=256)
 
 
+def _trained(mesh, steps: int = 3):
+    """(sharded parameters, CoatAdamW) after `steps` steps."""
+    params = _params(mesh)
+    optim = _optim(params)
+    for s in range(steps):
+        _grads(params, s)
+        optim.step()
+    return params, optim
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
 def test_state_dict_is_dtensors_sharded_like_the_parameter(mesh):
-    params = _params(mesh)
-    optim = _optim(params)
-    for s in range(3):
-        _grads(params, s)
-        optim.step()
+    params, optim = _trained(mesh)
     sd = optim.state_dict()
     w_state, b_state = sd["state"][0], sd["state"][1]
     for state in (w_state, b_state):
@@ -72,11 +78,7 @@ def test_state_dict_is_dtensors_sharded_like_the_parameter(mesh):
 
 
 def test_load_state_dict_round_trips_bitwise_and_resumes_identically(mesh):
-    params = _params(mesh)
-    optim = _optim(params)
-    for s in range(3):
-        _grads(params, s)
-        optim.step()
+    params, optim = _trained(mesh)
     params2 = [nn.Parameter(distribute_tensor(p.detach().full_tensor().clone(), mesh, [Shard(0)])) for p in params]
     optim2 = _optim(params2)
     optim2.load_state_dict(optim.state_dict())

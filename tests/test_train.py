@@ -9,21 +9,16 @@ import sys
 
 import pytest
 
-from helpers import free_port, read_metrics
+from helpers import free_port, read_metrics, run_in_repo
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
 
 
 def _run(tmp_path, *flags) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [DEEPSPEED, "--num_accelerators", "2", "--master_port", str(free_port()), "train.py",
            "--deepspeed", "ds_configs/coat_zero2.json", "--config", "configs/tiny.yaml",
            "--max-steps", "12", "--log-interval", "2", "--eval-interval", "6", "--save-interval", "6", *flags]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
-    return proc
+    return run_in_repo(cmd, 300, DS_ACCELERATOR="cpu")
 
 
 @pytest.mark.slow

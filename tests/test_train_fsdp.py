@@ -11,21 +11,16 @@ import sys
 
 import pytest
 
-from helpers import free_port, read_metrics
+from helpers import ROOT, free_port, read_metrics, run_in_repo
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
 
 def _run(nproc: int, *flags) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [TORCHRUN, "--nproc_per_node", str(nproc), "--master_port", str(free_port()), "train.py", "--fsdp",
            "--config", "configs/tiny.yaml", "--max-steps", "6", "--log-interval", "2", "--eval-interval", "0",
            "--eval-batches", "2", *flags]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
-    # A non-zero status includes a SIGABRT of a gloo group at interpreter exit.
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
-    return proc
+    return run_in_repo(cmd, 180)
 
 
 @pytest.mark.slow
