@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -203,10 +204,11 @@ def setup_fsdp_engine(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
                   save=lambda d, tag, client: save_checkpoint(os.path.join(d, tag), model, optim, client["step"]),
                   load=load, lr=lambda: optim.param_groups[0]["lr"],
                   optimizer_state_bytes=lambda: optimizer_state_bytes(optim),
-                  micro_batch=ds.micro_batch, grad_accum=ds.grad_accum, device=fsdp_device())
+                  micro_batch=ds.micro_batch, grad_accum=ds.grad_accum, device=train_device())
 
 
-def fsdp_device() -> torch.device:
+def train_device() -> torch.device:
+    """The GPU this rank trains on (set at start by either engine's set-up), else the CPU."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
@@ -258,14 +260,7 @@ def evaluate(cfg: TrainConfig, runner: Runner, data: TokenData, rank: int) -> fl
     return mean_over_ranks(losses)
 
 
-def main(argv=None) -> None:
-    cfg = parse_config(sys.argv[1:] if argv is None else argv)
-    if cfg.engine == "deepspeed":
-        import deepspeed
-
-        deepspeed.init_distributed()
-    else:
-        init_fsdp_distributed()
+def train(cfg: TrainConfig) -> None:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     say = print if rank == 0 else (lambda *a, **k: None)
     say("resolved config:\n" + yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False), flush=True)
@@ -273,7 +268,10 @@ def main(argv=None) -> None:
     data = load_data(DataConfig(cfg.data, cfg.bin_dtype, cfg.val_fraction, cfg.max_data_bytes))
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     mcfg = model_config(cfg.preset, vocab_size=max(256, data.vocab_size), max_seq_len=max(cfg.seq_len, 1))
-    model = Llama(mcfg)
+    # Initialised where it trains: a 7B model's CPU init takes minutes per rank (one OpenMP
+    # thread each under a launcher).
+    with torch.device(train_device()):
+        model = Llama(mcfg)
     say(f"data: {data.description}\nmodel: {cfg.preset}, {mcfg.num_params() / 1e6:.2f}M params", flush=True)
     # Hooks on the unsharded modules, before either engine wraps them; the handle counts bytes.
     activations = compress_activations(model) if cfg.compress_activations else None
@@ -333,12 +331,33 @@ def main(argv=None) -> None:
             t0 = time.perf_counter()
     if metrics:
         metrics.close()
+
+
+def shutdown_distributed() -> None:
+    # A gloo process group destroyed while the interpreter finalizes can SIGABRT ("terminate
+    # called without an active exception") and turn a finished run into a failed exit status.
+    # The engine's objects hold the group (FSDP2's parameter groups keep it, DeepSpeed's
+    # engine too) and sit in reference cycles, so they would only die in that finalization:
+    # collect them now, then end the group on every rank together.
+    gc.collect()
     if dist.is_initialized():
-        # End the group here, on every rank together: a gloo group still alive while the
-        # interpreter shuts down can SIGABRT and turn a finished run into a failed exit status
-        # (seen under both engines).
         dist.barrier()
         dist.destroy_process_group()
+    gc.collect()
+
+
+def main(argv=None) -> None:
+    cfg = parse_config(sys.argv[1:] if argv is None else argv)
+    if cfg.engine == "deepspeed":
+        import deepspeed
+
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        deepspeed.init_distributed()
+    else:
+        init_fsdp_distributed()
+    train(cfg)
+    shutdown_distributed()
 
 
 if __name__ == "__main__":
