@@ -42,7 +42,9 @@ def _worker(rank: int, init_file: str):
         def spying_pack(t):
             out = pack(t)
             root = t._base if t._base is not None else t
-            saves.append((isinstance(root, nn.Parameter), out is t, isinstance(out, FP8Saved)))
+            # Kept as is: `t`, or `t` detached (same memory, no copy).
+            as_is = isinstance(out, torch.Tensor) and out.data_ptr() == t.data_ptr() and out.shape == t.shape
+            saves.append((isinstance(root, nn.Parameter), as_is, isinstance(out, FP8Saved)))
             return out
 
         handle.compressor.pack = spying_pack

@@ -13,7 +13,14 @@ from .hooks import SavedTensorCompressor
 
 __all__ = ["compress_activations", "ActivationCompression", "activation_stats"]
 
-_HANDLES: "weakref.WeakKeyDictionary[nn.Module, ActivationCompression]" = weakref.WeakKeyDictionary()
+# model -> weak reference to its handle. The model's hooks keep the handle alive; a strong
+# value here would keep the model alive through the handle's region list forever.
+_HANDLES: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+def _handle_of(model: nn.Module) -> "ActivationCompression | None":
+    ref = _HANDLES.get(model)
+    return ref() if ref is not None else None
 
 
 def _inside_checkpoint_or_backward() -> bool:
@@ -103,7 +110,7 @@ class ActivationCompression:
             h.remove()
         self._handles.clear()
         model = self._model()
-        if model is not None and _HANDLES.get(model) is self:
+        if model is not None and _handle_of(model) is self:
             del _HANDLES[model]
 
 
@@ -118,7 +125,7 @@ def compress_activations(model: nn.Module, *, config: ActivationConfig | None = 
     config = config if config is not None else ActivationConfig()
     if not isinstance(config, ActivationConfig):
         raise TypeError(f"config must be an ActivationConfig, got {type(config).__name__}")
-    if model in _HANDLES:
+    if _handle_of(model) is not None:
         raise RuntimeError("compress_activations was already applied to this model; call .remove() on its handle first")
     chosen = module_filter_fn or (lambda m, fqn: fqn == "")
     regions: list[tuple[str, nn.Module]] = []
@@ -130,11 +137,11 @@ def compress_activations(model: nn.Module, *, config: ActivationConfig | None = 
     if not regions:
         raise ValueError("module_filter_fn selected no module")
     handle = ActivationCompression(model, regions, config)
-    _HANDLES[model] = handle
+    _HANDLES[model] = weakref.ref(handle)
     return handle
 
 
 def activation_stats(model: nn.Module) -> ActivationStats | None:
     """The stats of the compression applied to `model`, or None (for the memory profiler)."""
-    handle = _HANDLES.get(model)
+    handle = _handle_of(model)
     return handle.stats() if handle is not None else None

@@ -38,6 +38,14 @@ def _is_parameter(t: torch.Tensor) -> bool:
     return type(t) is not _PLAIN and isinstance(t, nn.Parameter)
 
 
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    # Not `t` itself: a node that saves its own output (rsqrt, exp) would then hold itself
+    # through t.grad_fn, a cycle inside autograd's C++ graph that only backward breaks. After
+    # an exception in forward (an out-of-memory error) it would keep the whole graph alive,
+    # and through ZeRO-3's backward hooks the model, its partitions and the optimizer.
+    return t.detach() if t.grad_fn is not None else t
+
+
 class _WeakTable:
     """key -> object, valid only while that object lives: keys hold addresses, which the
     allocator reuses once the object is gone. Dead entries are dropped when the table has
@@ -108,34 +116,37 @@ class SavedTensorCompressor:
             else:
                 # Tensor subclasses (DTensor, FP8 wrappers) are not ours to copy.
                 ledger.add_other(t)
-            return t
+            return _as_is(t)
         base = t._base
         root = t if base is None else base
         if base is not None and _is_parameter(base):
             ledger.add_skipped(t)
-            return t
+            return _as_is(t)
         if not (t.is_cuda or t.is_cpu):
             ledger.add_other(t)
-            return t
+            return _as_is(t)
         if t.dtype not in _FLOATS or t.numel() < self._min_numel:
             ledger.add_kept(t, root)
-            return t
+            return _as_is(t)
         if self._keep.refs and self._keep.get(storage_key(t)) is not None:
             ledger.add_skipped(t)
-            return t
+            return _as_is(t)
         perm = memory_order(t)
         if perm is None:
             ledger.add_kept(t, root)
-            return t
+            return _as_is(t)
         # A dense tensor is its first element's address plus its element count; views of the
         # same memory (any shape or strides) share one FP8 copy while its original lives.
         ident = (t.get_device(), t.data_ptr(), t.numel(), t.dtype)
         key = (*ident, t._version)
         hit = self._fp8.get(key)
         if hit is not None and hit.origin() is not None:
-            ledger.dedup_hits += 1
-            hit.pending += 1
-            return hit if (hit.shape == t.shape and hit.stride == t.stride()) else FP8View(hit, t)
+            same = hit.shape == t.shape and hit.stride == t.stride()
+            # A gapped tensor's copy comes back dense: another view of its memory is not a view of that.
+            if same or not hit.gapped:
+                ledger.dedup_hits += 1
+                hit.pending += 1
+                return hit if same else FP8View(hit, t)
         # A linear layer saves its input, or a 2-D view of it: same memory, same count.
         kind, fmt = self._kinds[self._linear_inputs.get(ident) is not None]
         saved = FP8Saved(t.detach(), perm, kind, fmt, self._group_size, self._ops_for(t), weakref.ref(root))

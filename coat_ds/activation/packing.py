@@ -16,26 +16,40 @@ PER_GROUP = "per_group"
 
 
 def memory_order(t: torch.Tensor) -> list[int] | None:
-    """A permutation under which `t` is contiguous ([] when it already is), or None if `t`
-    overlaps itself or has gaps (an expanded or strided view: compressing its logical
-    elements could cost more than its storage). Quantizing in memory order keeps the
-    original strides on restore (some backward kernels expect them) and puts groups along
+    """A permutation that orders `t`'s dims by stride, outermost first ([] when `t` is
+    contiguous), or None if `t` overlaps itself (an expanded view: its logical elements
+    could outnumber its storage's). Under the permutation `t` is contiguous, or a view with
+    gaps (q, k or v sliced from a fused projection). Quantizing in memory order keeps a dense
+    tensor's strides on restore (some backward kernels expect them) and puts groups along
     the stride-1 dim."""
     if t.is_contiguous():
         return []
     perm = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.shape[d]), reverse=True)
-    return perm if t.permute(perm).is_contiguous() else None
+    span = 1  # elements covered by the dims inside this one
+    for d in reversed(perm):
+        if t.shape[d] == 1:
+            continue
+        if t.stride(d) < span:
+            return None
+        span = t.stride(d) * t.shape[d]
+    return perm
 
 
 class FP8Saved:
     """FP8 codes plus power-of-two scale exponents of one saved tensor."""
 
     __slots__ = ("codes", "exps", "kind", "fmt", "group_size", "dtype", "inverse", "ops", "_restored",
-                 "pending", "origin", "shape", "stride", "__weakref__")
+                 "pending", "origin", "shape", "stride", "gapped", "__weakref__")
 
     def __init__(self, t: torch.Tensor, perm: list[int], kind: str, fmt, group_size: int, ops, origin: weakref.ref):
         """`t` must not require grad (the hooks pass it detached); `fmt` an Fp8Format."""
         x = t.permute(perm) if perm else t
+        # A view with gaps holds its whole storage alive (v holds all of a fused qkv output);
+        # its own elements are copied dense and come back dense, in the same dim order:
+        # autograd takes any strides, and the gapped layout would need that storage again.
+        self.gapped = not x.is_contiguous()
+        if self.gapped:
+            x = x.contiguous()
         if kind == PER_TENSOR:
             self.codes, self.exps = ops.quantize_tensor(x, fmt)
         else:
