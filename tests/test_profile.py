@@ -8,6 +8,7 @@ import random
 import struct
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -158,13 +159,17 @@ def test_deepspeed_zero2_two_ranks(tmp_path, plain):
     # ZeRO-2's gradient-reduction bucket (2 bytes x reduce_bucket_size = 5e8) is live during
     # backward: the budget must hold it.
     budget_gb = 1.2
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(free_port()), "-m", "coat_ds.profile", *ARGS, "--engine", "deepspeed",
+    # No launcher: the profiler starts each side's two ranks itself (torchrun), one side after the other.
+    cmd = [sys.executable, "-m", "coat_ds.profile", *ARGS, "--engine", "deepspeed", "--nproc", "2",
            "--config", "ds_configs/coat_zero2.json", "--baseline", "ds_configs/bf16_zero2.json",
            "--budget-gb", str(budget_gb), "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "trial 1: micro-batch 1" in proc.stdout and "| coat | 1 |" in proc.stdout
+    assert proc.stdout.count("in its own processes: ") == 2
+    for side in ("baseline", "coat"):
+        with open(tmp_path / side / "side.json") as f:
+            assert json.load(f)["meta"]["world_size"] == 2
     with open(tmp_path / "profile.json") as f:
         result = json.load(f)
     assert result["world_size"] == 2 and [r["rank"] for r in result["sides"]["coat"]["ranks"]] == [0, 1]
@@ -185,6 +190,50 @@ def test_deepspeed_zero2_two_ranks(tmp_path, plain):
             assert 0.9e9 <= r["engine_buffer_bytes"] <= 1.1e9
             hooks = [p["hooks_bytes"] for p in r["points"]]
             assert hooks == [p.hooks_bytes for p in one.points]
+
+
+def test_both_sides_in_one_process_agree_with_isolated_runs(tmp_path, plain):
+    # `--in-process` (and any launcher-started run) measures both sides in this process; on
+    # CPU nothing is left over between them, so every figure matches the isolated run's.
+    single = profile(parse_options([*ARGS, "--engine", "none", "--budget-gb", str(BUDGET_GB), "--out", str(tmp_path),
+                                    "--in-process"]))
+    for side in ("baseline", "coat"):
+        assert _rank0(single, side) == _rank0(plain[0], side)
+        assert single["sides"][side]["max_micro_batch"] == plain[0]["sides"][side]["max_micro_batch"]
+    assert not (tmp_path / "baseline").exists() and (tmp_path / "profile.png").is_file()
+    assert (plain[1] / "baseline" / "side.json").is_file() and (plain[1] / "coat" / "side.json").is_file()
+
+
+def test_child_arguments_reproduce_the_options(tmp_path):
+    from dataclasses import replace
+
+    from coat_ds.profile.options import child_argv
+
+    opts = parse_options([*ARGS, "--engine", "deepspeed", "--budget-gb", "0.25", "--measure-batches", "2", "5",
+                          "--max-batch", "64", "--throughput-steps", "0", "--seed", "3", "--nproc", "2",
+                          "--out", str(tmp_path)])
+    child = parse_options(child_argv(opts, "coat", str(tmp_path / "coat")))
+    assert child == replace(opts, side="coat", out=str(tmp_path / "coat"), nproc=1)
+    with pytest.raises(ValueError, match="--nproc 2 needs --engine"):
+        parse_options([*ARGS, "--nproc", "2"])
+    with pytest.raises(SystemExit):
+        parse_options([*ARGS, "--side", "neither"])
+
+
+def test_one_measured_point_gives_a_slope_through_zero():
+    # A model that fits one sequence only (13B under ZeRO-3 on two GPUs) is measured at b=1:
+    # its saved-for-backward bytes grow with the batch alone.
+    from coat_ds.profile import ActivationPoint
+
+    p = ActivationPoint(batch=1, hooks_bytes=1000, uncompressed_bytes=2000, forward_peak_bytes=1100,
+                        after_forward_bytes=1010, backward_peak_bytes=1500, step_peak_bytes=1600, resident_bytes=10_000)
+    m = SideMeasurement("coat", 0, "cuda", weights_bytes=6000, gradients_bytes=2000, optimizer_state_bytes=1500,
+                        points=(p,))
+    assert (m.activation_slope, m.activation_intercept) == (1000, 0)
+    assert m.measured_total() == 11_500 and m.engine_buffer_bytes == 11_500 - (9500 + 1000)
+    assert m.predicted_total(3) == 9500 + 3000 + m.engine_buffer_bytes
+    assert m.predicted_step_total(3) == max(10_000 + 1600 + 2000, m.predicted_total(3))
+    assert SideMeasurement.from_dict(m.to_dict()) == m
 
 
 def test_model_from_yaml():
@@ -268,28 +317,58 @@ from coat_ds.profile.engines import build_trainee, load_side
 from coat_ds.profile.measure import train_step
 from coat_ds.profile.run import resolve_model
 _, mcfg, seq = resolve_model("tiny", 32)
+
+
+def oom(*args, **kwargs):
+    raise torch.cuda.OutOfMemoryError("simulated: CUDA out of memory")
+
+
 for name, path in (("baseline", "ds_configs/bf16_zero3.json"), ("coat", "ds_configs/coat_zero3.json")):
-    t = build_trainee("deepspeed", load_side(name, path), mcfg, torch.device("cpu"), 0)
-    train_step(t, 2, seq, 256, 0)
-    refs = [weakref.ref(t.ds), weakref.ref(t.ds.optimizer)] + [weakref.ref(x) for x in t.weight_tensors()]
-    t.close()
-    del t
-    gc.collect()
-    print(name, "alive after close:", sum(r() is not None for r in refs), "of", len(refs))
+    for failing in (False, True):
+        t = build_trainee("deepspeed", load_side(name, path), mcfg, torch.device("cpu"), 0)
+        for i in range(3):  # from the second forward on, ZeRO-3 caches per-module release lists
+            train_step(t, 2, seq, 256, i)
+        if failing:  # out of memory inside a block's forward: no backward breaks the half-built graph
+            t.ds.module.blocks[1].forward = oom
+            try:
+                train_step(t, 2, seq, 256, 0)
+            except torch.cuda.OutOfMemoryError:
+                pass
+            del t.ds.module.blocks[1].forward
+        refs = [weakref.ref(t.ds), weakref.ref(t.ds.optimizer)] + [weakref.ref(x) for x in t.weight_tensors()]
+        t.close()
+        del t
+        gc.collect()
+        print(name, "failing" if failing else "clean", "alive after close:", sum(r() is not None for r in refs),
+              "of", len(refs))
 dist.barrier()
 dist.destroy_process_group()
 """
 
 
 def test_deepspeed_zero3_engine_is_freed_on_close():
-    # The profiler measures the second side in the process the first one ran in: whatever
-    # the first engine leaves allocated is charged to the second (43 GB per rank for the 7B
-    # preset before ZeRO-3's module stack was cleared).
+    # Each side runs in processes of its own, but within a side the search rebuilds the
+    # engine after some out-of-memory errors: what the old engine leaves allocated is charged
+    # to every later trial (43 GB per rank for the 7B preset on 2 GPUs, before the fixes for
+    # ZeRO-3's module stack, its release-list cache and autograd cycles through saved outputs).
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "LOCAL_RANK": "0", "RANK": "0",
            "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run([sys.executable, "-c", _ZERO3_CLOSE], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     lines = [ln for ln in proc.stdout.splitlines() if "alive after close" in ln]
-    assert len(lines) == 2 and all(ln.split("alive after close: ")[1].startswith("0 of") for ln in lines), lines
+    assert len(lines) == 4 and all(ln.split("alive after close: ")[1].startswith("0 of") for ln in lines), lines
+
+
+def test_throughput_steps_that_run_out_of_memory_give_none(monkeypatch):
+    # A batch that fitted once near the limit can fail on repeat; the profiler then steps down.
+    from coat_ds.profile.run import _tokens_per_s_unless_oom
+
+    _no_cuda_counters(monkeypatch)
+    fake = _FakeGpuTrainee(capacity=6)
+    fake.side = SimpleNamespace(name="coat")
+    assert _tokens_per_s_unless_oom(fake, 7, 8, 2, 1, 0, say=lambda s: None) is None
+    assert fake.zero_grads == 1
+    assert _tokens_per_s_unless_oom(fake, 6, 8, 2, 1, 0, say=lambda s: None) > 0
+    assert fake.steps == 3  # warm-up and two timed steps

@@ -225,6 +225,23 @@ class DeepSpeedTrainee(Trainee):
 
         ours = {id(m) for m in module.modules()}
         parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if id(m) not in ours]
+        _clear_params_to_release_cache()
+
+
+def _clear_params_to_release_cache() -> None:
+    """ZeRO-3's coordinator memoizes which parameters to release after each submodule in an
+    lru_cache on the class (keyed by coordinator, submodule, step), filled once a step's
+    trace is complete (from the second forward on): it keeps every engine that ever ran two
+    forwards alive. Other live engines only lose entries they recompute."""
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    fn = PartitionedParameterCoordinator.__dict__.get("_PartitionedParameterCoordinator__params_to_release")
+    for f in (fn, getattr(fn, "__wrapped__", None)):  # DeepSpeed's NVTX wrapper keeps the cached one in a closure
+        for cell in getattr(f, "__closure__", None) or ():
+            if hasattr(cell.cell_contents, "cache_clear"):
+                cell.cell_contents.cache_clear()
+        if hasattr(f, "cache_clear"):
+            f.cache_clear()
 
 
 class FsdpTrainee(Trainee):

@@ -18,6 +18,7 @@ import gc
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.distributed as dist
 
 from .engines import Trainee, unique_storage_bytes
 from .meters import meter_for, saved_tensor_bytes
@@ -49,7 +50,7 @@ class SideMeasurement:
     weights_bytes: int  # model parameters (local shards) + FP32 master weights
     gradients_bytes: int  # gradient tensors and buffers after backward
     optimizer_state_bytes: int  # moment state after a step (no step counters)
-    points: tuple[ActivationPoint, ActivationPoint]  # the two measured steps, smaller batch first
+    points: tuple[ActivationPoint, ...]  # the measured steps, smaller batch first: two, or one where the larger did not fit
 
     @property
     def fixed_bytes(self) -> int:
@@ -57,7 +58,10 @@ class SideMeasurement:
 
     @property
     def activation_slope(self) -> float:
-        """Saved-for-backward bytes per sequence (hooks' accounting)."""
+        """Saved-for-backward bytes per sequence (hooks' accounting); from one point, its
+        bytes over its batch (what a decoder saves grows with the batch and nothing else)."""
+        if len(self.points) == 1:
+            return self.points[0].hooks_bytes / self.points[0].batch
         a, b = self.points
         return (b.hooks_bytes - a.hooks_bytes) / (b.batch - a.batch)
 
@@ -79,7 +83,7 @@ class SideMeasurement:
         engine's transient buffers (DeepSpeed's gradient-reduction bucket is 2 x
         reduce_bucket_size bytes during backward). Zero when the components cover it all
         (they overlap in time: activations are freed as gradients appear)."""
-        b = self.points[1].batch
+        b = self.points[-1].batch
         return max(0, int(self.measured_total() - self.components_total(b)))
 
     def predicted_total(self, batch: int) -> float:
@@ -90,7 +94,7 @@ class SideMeasurement:
         """What the meter saw at the larger measured batch: resident bytes + the peak of forward
         and backward, the span the four components describe (the optimizer step's own
         temporaries are reported apart, as `step_peak_bytes`)."""
-        p = self.points[1]
+        p = self.points[-1]
         return p.resident_bytes + p.backward_peak_bytes
 
     @classmethod
@@ -102,7 +106,7 @@ class SideMeasurement:
     def predicted_step_total(self, batch: int) -> float:
         """CUDA: the measured step total (optimizer step included) at the larger measured
         batch, moved by the per-sample activation bytes; else `predicted_total`."""
-        p = self.points[1]
+        p = self.points[-1]
         if p.step_peak_bytes is None:
             return self.predicted_total(batch)
         step_total = p.resident_bytes + p.step_peak_bytes + self.activation_slope * (batch - p.batch)
@@ -113,11 +117,11 @@ class SideMeasurement:
         d["points"] = [asdict(p) for p in self.points]
         d.update(fixed_bytes=self.fixed_bytes, activation_bytes_per_sample=self.activation_slope,
                  activation_intercept_bytes=self.activation_intercept,
-                 components_sum_bytes=self.components_total(self.points[1].batch),
+                 components_sum_bytes=self.components_total(self.points[-1].batch),
                  engine_buffer_bytes=self.engine_buffer_bytes,
                  measured_total_bytes=self.measured_total(),
-                 measured_step_total_bytes=None if self.points[1].step_peak_bytes is None
-                 else self.points[1].resident_bytes + self.points[1].step_peak_bytes)
+                 measured_step_total_bytes=None if self.points[-1].step_peak_bytes is None
+                 else self.points[-1].resident_bytes + self.points[-1].step_peak_bytes)
         return d
 
 
@@ -177,6 +181,40 @@ def _measured_step(trainee: Trainee, batch: int, seq_len: int, vocab: int, seed:
     return point, grads
 
 
+def all_ranks_agree(ok: bool, device: torch.device) -> bool:
+    """True on every rank iff `ok` on every rank: all ranks must take the same branch, or the
+    next step's collectives would hang."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return ok
+    flag = torch.tensor([int(ok)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def free_after_oom(trainee: Trainee, say=print) -> None:
+    """Drop what a step that ran out of memory left: gradients, garbage, the allocator's cache."""
+    try:
+        trainee.zero_grad()
+    except Exception as e:  # noqa: BLE001 - cleanup after an OOM must not raise
+        say(f"zero_grad after OOM failed ({type(e).__name__}); continuing")
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _measured_step_unless_oom(trainee: Trainee, batch: int, seq_len: int, vocab: int, seed: int):
+    """`_measured_step`, or None (on every rank) where it ran out of memory on some rank.
+    Where a larger model leaves room for one sequence only (13B under ZeRO-3 on two GPUs)."""
+    measured = None
+    try:
+        measured = _measured_step(trainee, batch, seq_len, vocab, seed)
+    except torch.cuda.OutOfMemoryError:
+        pass
+    # Outside the except block: the traceback and the frames holding the step's tensors are gone.
+    if measured is None:
+        free_after_oom(trainee)
+    return measured if all_ranks_agree(measured is not None, trainee.device) else None
+
+
 def _state_tensors(trainee: Trainee):
     return [t for s in trainee.optimizer().state.values() for t in s.values() if torch.is_tensor(t)]
 
@@ -189,7 +227,15 @@ def measure_side(trainee: Trainee, batches: tuple[int, int], seq_len: int, vocab
     points, grads = [], 0
     for b in batches:
         say(f"[{name}] measuring a step at micro-batch {b}")
-        point, grads = _measured_step(trainee, b, seq_len, vocab, seed)
+        if points and trainee.device.type == "cuda":
+            measured = _measured_step_unless_oom(trainee, b, seq_len, vocab, seed)
+            if measured is None:
+                say(f"[{name}] micro-batch {b} does not fit: activations per sample from micro-batch "
+                    f"{points[0].batch} alone (intercept taken as 0)")
+                break
+        else:
+            measured = _measured_step(trainee, b, seq_len, vocab, seed)
+        point, grads = measured
         points.append(point)
     return SideMeasurement(
         side=name, rank=rank, meter=meter_for(trainee.device).kind,

@@ -138,10 +138,10 @@ class saved_tensor_bytes(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
-            return t
-        key = t.untyped_storage().data_ptr()
-        if key not in self._seen and key not in self._inputs:
-            self._seen.add(key)
-            self.bytes += t.untyped_storage().nbytes()
-        return t
+        if not (isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)):
+            key = t.untyped_storage().data_ptr()
+            if key not in self._seen and key not in self._inputs:
+                self._seen.add(key)
+                self.bytes += t.untyped_storage().nbytes()
+        # Detached: `t` itself would close a cycle through its grad_fn (see activation.hooks).
+        return t.detach() if t.grad_fn is not None else t

@@ -5,9 +5,10 @@ import argparse
 import os
 from dataclasses import dataclass
 
-__all__ = ["ProfileOptions", "parse_options", "ENGINES"]
+__all__ = ["ProfileOptions", "parse_options", "child_argv", "ENGINES", "SIDES"]
 
 ENGINES = ("none", "deepspeed", "fsdp")
+SIDES = ("both", "baseline", "coat")
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,9 @@ class ProfileOptions:
     max_batch: int = 4096  # the search never tries a larger micro-batch
     throughput_steps: int = 3  # timed steps at each side's max micro-batch (CUDA only; 0: skip)
     seed: int = 0  # initial weights and token ids
+    side: str = "both"  # "both", or measure only "baseline" / "coat" and write DIR/side.json (the parent run's part)
+    isolate: bool = True  # both sides: each in processes of its own, started here (no launcher needed)
+    nproc: int = 1  # isolated runs: ranks per side, started through torchrun (needs --engine deepspeed or fsdp)
 
     def __post_init__(self):
         if self.engine not in ENGINES:
@@ -39,6 +43,12 @@ class ProfileOptions:
         b1, b2 = self.measure_batches
         if not 1 <= b1 < b2:
             raise ValueError(f"measure batches must satisfy 1 <= b1 < b2, got {self.measure_batches!r}")
+        if self.side not in SIDES:
+            raise ValueError(f"--side must be one of {SIDES}, got {self.side!r}")
+        if self.nproc < 1:
+            raise ValueError(f"--nproc must be >= 1, got {self.nproc!r}")
+        if self.nproc > 1 and self.engine == "none":
+            raise ValueError(f"--nproc {self.nproc} needs --engine deepspeed or fsdp (engine 'none' is one process)")
         if self.max_batch < 1 or self.throughput_steps < 0:
             raise ValueError("--max-batch must be >= 1 and --throughput-steps >= 0")
 
@@ -59,8 +69,27 @@ def parse_options(argv: list[str] | None = None) -> ProfileOptions:
     p.add_argument("--max-batch", type=int, default=ProfileOptions.max_batch)
     p.add_argument("--throughput-steps", type=int, default=ProfileOptions.throughput_steps)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--side", default="both", choices=SIDES,
+                   help="measure one side only (what each isolated child process runs)")
+    p.add_argument("--in-process", action="store_true",
+                   help="measure both sides in this process, one after the other (the first side's leftovers "
+                        "are then charged to the second)")
+    p.add_argument("--nproc", type=int, default=1, help="ranks per side, started here through torchrun")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     a = p.parse_args(argv)
     return ProfileOptions(model=a.model, engine=a.engine, config=a.config, baseline=a.baseline, budget_gb=a.budget_gb,
                           seq_len=a.seq_len, out=a.out, measure_batches=tuple(a.measure_batches),
-                          max_batch=a.max_batch, throughput_steps=a.throughput_steps, seed=a.seed)
+                          max_batch=a.max_batch, throughput_steps=a.throughput_steps, seed=a.seed,
+                          side=a.side, isolate=not a.in_process, nproc=a.nproc)
+
+
+def child_argv(opts: ProfileOptions, side: str, out: str) -> list[str]:
+    """The command-line arguments of a run that measures `side` of `opts` into `out`."""
+    argv = ["--model", opts.model, "--engine", opts.engine, "--config", opts.config, "--baseline", opts.baseline,
+            "--out", out, "--measure-batches", *map(str, opts.measure_batches), "--max-batch", str(opts.max_batch),
+            "--throughput-steps", str(opts.throughput_steps), "--seed", str(opts.seed), "--side", side]
+    if opts.budget_gb is not None:
+        argv += ["--budget-gb", repr(opts.budget_gb)]
+    if opts.seq_len is not None:
+        argv += ["--seq-len", str(opts.seq_len)]
+    return argv

@@ -32,14 +32,16 @@ def markdown_table(result: dict) -> str:
     for name in ("baseline", "coat"):
         side = result["sides"][name]
         for r in side["ranks"]:
-            p = r["points"][1]
+            p = r["points"][-1]
             tps = side.get("tokens_per_s")
+            # A side whose larger measured batch did not fit reports its smaller one.
+            at = "" if p["batch"] == b2 else f" (b={p['batch']})"
             lines.append(
                 f"| {name} | {r['rank']} | {_gb(r['weights_bytes'])} | {_gb(r['gradients_bytes'])} "
                 f"| {_gb(r['optimizer_state_bytes'])} | {_gb(r['activation_bytes_per_sample'])} "
-                f"| {_gb(p['hooks_bytes'])} / {_gb(p['after_forward_bytes'])} / {_gb(p['forward_peak_bytes'])} "
+                f"| {_gb(p['hooks_bytes'])} / {_gb(p['after_forward_bytes'])} / {_gb(p['forward_peak_bytes'])}{at} "
                 f"| {_gb(r['engine_buffer_bytes'])} "
-                f"| {_gb(r['components_sum_bytes'])} | {_gb(r['measured_total_bytes'])} "
+                f"| {_gb(r['components_sum_bytes'])}{at} | {_gb(r['measured_total_bytes'])}{at} "
                 f"| {side['max_micro_batch']} | {'-' if tps is None else f'{tps:,.0f}'} |")
     ratios = result["ratios"]
     lines.append("")

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
 import socket
+import subprocess
+import sys
 import time
 
 import torch
@@ -11,12 +14,12 @@ import torch.distributed as dist
 
 from ..model import PRESETS, model_config
 from .engines import build_trainee, load_side
-from .measure import measure_side, train_step
-from .options import ProfileOptions
+from .measure import SideMeasurement, all_ranks_agree, free_after_oom, measure_side, train_step
+from .options import ProfileOptions, child_argv
 from .report import markdown_table, write_chart, write_json
-from .search import CudaTrial, budget_fits, search_max_batch
+from .search import CudaTrial, Trial, budget_fits, search_max_batch
 
-__all__ = ["profile", "resolve_model"]
+__all__ = ["profile", "resolve_model", "combine"]
 
 VOCAB = 256  # byte-level tokens, as train.py's default data
 
@@ -85,8 +88,41 @@ def _tokens_per_s(trainee, batch: int, seq_len: int, steps: int, world: int, see
     return batch * seq_len * steps * world / (time.perf_counter() - t0)
 
 
+def _load_sides(opts: ProfileOptions) -> dict:
+    sides = {"baseline": load_side("baseline", opts.baseline), "coat": load_side("coat", opts.config)}
+    if sides["baseline"].is_coat or not sides["coat"].is_coat:
+        raise ValueError("--config must name CoatAdamW and --baseline another optimizer (BF16 + torch AdamW)")
+    return sides
+
+
+def _launched() -> bool:
+    """Started by a launcher (torchrun, deepspeed): this process is one rank of a group."""
+    return "RANK" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def _tokens_per_s_unless_oom(trainee, batch: int, seq_len: int, steps: int, world: int, seed: int, say):
+    """`_tokens_per_s`, or None (on every rank) where a step ran out of memory on some rank."""
+    tps = None
+    try:
+        tps = _tokens_per_s(trainee, batch, seq_len, steps, world, seed, say)
+    except torch.cuda.OutOfMemoryError:
+        pass
+    if tps is None:
+        free_after_oom(trainee, say)
+    return tps if all_ranks_agree(tps is not None, trainee.device) else None
+
+
 def profile(opts: ProfileOptions) -> dict:
-    """Run the profiler; every rank returns the result, rank 0 prints and writes it."""
+    """Run the profiler; every rank returns the result, rank 0 prints and writes it.
+
+    Both sides, not under a launcher: each side runs in processes of its own (see
+    `_profile_isolated`). Otherwise the sides asked for run here, one after the other."""
+    _load_sides(opts)  # bad options fail here, before any process or engine starts
+    resolve_model(opts.model, opts.seq_len)
+    if opts.budget_gb is None and not torch.cuda.is_available():
+        raise ValueError("on a CPU the search runs against a budget: give --budget-gb")
+    if opts.side == "both" and opts.isolate and not _launched():
+        return _profile_isolated(opts)
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is first imported
     _init_distributed(opts.engine)
@@ -100,10 +136,8 @@ def profile(opts: ProfileOptions) -> dict:
     name, mcfg, seq_len = resolve_model(opts.model, opts.seq_len)
     if opts.budget_gb is not None:
         budget = opts.budget_gb * 1e9
-    elif device.type == "cuda":
-        budget = float(torch.cuda.get_device_properties(device).total_memory)
     else:
-        raise ValueError("on a CPU the search runs against a budget: give --budget-gb")
+        budget = float(torch.cuda.get_device_properties(device).total_memory)
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         # The allocator itself refuses beyond the budget, so a trial over it is a real OOM.
@@ -113,70 +147,131 @@ def profile(opts: ProfileOptions) -> dict:
     say(f"model {name}: {mcfg.num_params() / 1e6:.1f}M params, seq {seq_len}, engine {opts.engine}, "
         f"{world} rank(s) on {device.type}; budget {budget / 1e9:.3f} GB per rank; search: {search}")
 
-    sides = {"baseline": load_side("baseline", opts.baseline), "coat": load_side("coat", opts.config)}
-    if sides["baseline"].is_coat or not sides["coat"].is_coat:
-        raise ValueError("--config must name CoatAdamW and --baseline another optimizer (BF16 + torch AdamW)")
+    sides = _load_sides(opts)
+    if opts.side == "both":
+        say("both sides run in this process, one after the other: what the first leaves allocated is "
+            "charged to the second (start without a launcher, with --nproc N, to run each in its own processes)")
 
-    out: dict = {"model": {"name": name, "params": mcfg.num_params(), "spec": opts.model}, "seq_len": seq_len,
-                 "engine": opts.engine, "world_size": world, "device": str(device), "budget_bytes": budget,
-                 "search": search, "measure_batches": list(opts.measure_batches), "sides": {}}
-    measurements = {}
+    meta = {"model": {"name": name, "params": mcfg.num_params(), "spec": opts.model}, "seq_len": seq_len,
+            "engine": opts.engine, "world_size": world, "device": str(device), "budget_bytes": budget,
+            "search": search, "measure_batches": list(opts.measure_batches)}
+    keys = ("baseline", "coat") if opts.side == "both" else (opts.side,)
+    results = {key: _measure_and_search(opts, sides[key], mcfg, seq_len, device, budget, world, say)
+               for key in keys}
+    if opts.side != "both":
+        if rank == 0:
+            write_json({"meta": meta, "side": results[opts.side]}, os.path.join(opts.out, "side.json"))
+            say(f"wrote {os.path.join(opts.out, 'side.json')}")
+        return {**meta, "sides": results}
+    out = combine(meta, results)
+    if rank == 0:
+        _report(out, opts.out)
+    return out
+
+
+def _measure_and_search(opts: ProfileOptions, side, mcfg, seq_len: int, device: torch.device, budget: float,
+                        world: int, say) -> dict:
+    """One side: its components measured, its largest micro-batch searched, its tokens/s there."""
+    key, holder = side.name, {}
+    rank = dist.get_rank() if dist.is_initialized() else 0
+
+    def rebuild():
+        if "t" in holder:
+            holder.pop("t").close()
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        holder["t"] = build_trainee(opts.engine, side, mcfg, device, opts.seed)
+
+    resident_at_start = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+    if resident_at_start and resident_at_start > 0.01 * budget:
+        # Charged to this side: its engine buffers and its max micro-batch are then off.
+        say(f"[{key}] WARNING: {resident_at_start / 1e9:.3f} GB from the previous side is still allocated; "
+            "this side's engine buffers, peak and max micro-batch include it")
+    say(f"[{key}] building ({opts.engine}, {side.config_path})")
+    rebuild()
+    m = measure_side(holder["t"], opts.measure_batches, seq_len, VOCAB, opts.seed, rank, say)
+    if device.type == "cuda":
+        fits = CudaTrial(lambda: holder["t"], rebuild, seq_len, VOCAB, opts.seed,
+                         budget if opts.budget_gb is not None else None, say,
+                         predicted=m.predicted_step_total if world > 1 else None, limit_bytes=budget)
+    else:
+        fits = budget_fits(m, budget)
+    say(f"[{key}] searching the largest micro-batch (doubling, then bisection)")
+    best, trials = search_max_batch(fits, opts.max_batch, say, key)
+    # Ranks can disagree under the budget test (the last ZeRO rank holds the padding).
+    best = min(_gather(best))
+    tps = None
+    while device.type == "cuda" and best > 0 and opts.throughput_steps:
+        tps = _tokens_per_s_unless_oom(holder["t"], best, seq_len, opts.throughput_steps, world, opts.seed, say)
+        if tps is not None:
+            break
+        # A batch that fitted once, near the limit, and not on repeat (allocator fragmentation) does not fit.
+        say(f"[{key}] micro-batch {best} ran out of memory in the throughput steps; taking {best - 1} as the max")
+        trials.append(Trial(best, False, None))
+        best -= 1
+        rebuild()  # an engine interrupted mid-backward may be unusable
+    holder.pop("t").close()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    say(f"[{key}] max micro-batch {best}")
+    return {"config": side.config_path, "ranks": _gather(m.to_dict()), "max_micro_batch": best,
+            "trials": [t.__dict__ for t in trials], "tokens_per_s": tps, "resident_at_start_bytes": resident_at_start}
+
+
+def combine(meta: dict, sides: dict) -> dict:
+    """The whole result from both sides' results: ratios of rank 0's figures, and each side's
+    activations at the baseline's max micro-batch (the chart's common batch)."""
+    out = {**meta, "sides": sides}
+    m = {key: SideMeasurement.from_dict(side["ranks"][0]) for key, side in sides.items()}
+    ref = max(1, sides["baseline"]["max_micro_batch"])
     for key, side in sides.items():
-        holder = {}
-
-        def rebuild(side=side, holder=holder):
-            if "t" in holder:
-                holder.pop("t").close()
-                gc.collect()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-            holder["t"] = build_trainee(opts.engine, side, mcfg, device, opts.seed)
-
-        resident_at_start = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
-        if resident_at_start and resident_at_start > 0.01 * budget:
-            # Charged to this side: its engine buffers and its max micro-batch are then off.
-            say(f"[{key}] WARNING: {resident_at_start / 1e9:.3f} GB from the previous side is still allocated; "
-                "this side's engine buffers, peak and max micro-batch include it")
-        say(f"[{key}] building ({opts.engine}, {side.config_path})")
-        rebuild()
-        m = measure_side(holder["t"], opts.measure_batches, seq_len, VOCAB, opts.seed, rank, say)
-        measurements[key] = m
-        if device.type == "cuda":
-            fits = CudaTrial(lambda holder=holder: holder["t"], rebuild, seq_len, VOCAB, opts.seed,
-                             budget if opts.budget_gb is not None else None, say,
-                             predicted=m.predicted_step_total if world > 1 else None, limit_bytes=budget)
-        else:
-            fits = budget_fits(m, budget)
-        say(f"[{key}] searching the largest micro-batch (doubling, then bisection)")
-        best, trials = search_max_batch(fits, opts.max_batch, say, key)
-        # Ranks can disagree under the budget test (the last ZeRO rank holds the padding).
-        best = min(_gather(best))
-        tps = None
-        if device.type == "cuda" and best > 0 and opts.throughput_steps:
-            tps = _tokens_per_s(holder["t"], best, seq_len, opts.throughput_steps, world, opts.seed, say)
-        holder.pop("t").close()
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        out["sides"][key] = {"config": side.config_path, "ranks": _gather(m.to_dict()), "max_micro_batch": best,
-                             "trials": [t.__dict__ for t in trials], "tokens_per_s": tps,
-                             "resident_at_start_bytes": resident_at_start}
-        say(f"[{key}] max micro-batch {best}")
-
-    ref = max(1, out["sides"]["baseline"]["max_micro_batch"])
-    for key, m in measurements.items():
-        out["sides"][key]["activations_at_ref_bytes"] = m.activations_at(ref)
-    b, c = measurements["baseline"], measurements["coat"]
-    bb, cb = out["sides"]["baseline"]["max_micro_batch"], out["sides"]["coat"]["max_micro_batch"]
+        side["activations_at_ref_bytes"] = m[key].activations_at(ref)
+    b, c = m["baseline"], m["coat"]
+    bb, cb = sides["baseline"]["max_micro_batch"], sides["coat"]["max_micro_batch"]
     out["ratios"] = {"optimizer_states": c.optimizer_state_bytes / b.optimizer_state_bytes,
                      "activations_per_sample": c.activation_slope / b.activation_slope,
                      "max_micro_batch": cb / bb if bb else None}  # None: the baseline fits no batch
     out["meter"] = b.meter
-    if rank == 0:
-        table = markdown_table(out)
-        print("\n" + table, flush=True)
-        out["markdown"] = table
-        write_json(out, os.path.join(opts.out, "profile.json"))
-        write_chart(out, os.path.join(opts.out, "profile.png"))
-        print(f"wrote {os.path.join(opts.out, 'profile.json')} and {os.path.join(opts.out, 'profile.png')}", flush=True)
+    return out
+
+
+def _report(out: dict, directory: str) -> None:
+    table = markdown_table(out)
+    print("\n" + table, flush=True)
+    out["markdown"] = table
+    write_json(out, os.path.join(directory, "profile.json"))
+    write_chart(out, os.path.join(directory, "profile.png"))
+    print(f"wrote {os.path.join(directory, 'profile.json')} and {os.path.join(directory, 'profile.png')}", flush=True)
+
+
+def _side_command(opts: ProfileOptions, side: str, out: str) -> list[str]:
+    args = ["-m", "coat_ds.profile", *child_argv(opts, side, out)]
+    if opts.engine == "none":
+        return [sys.executable, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(opts.nproc),
+            "--master_port", str(_free_port()), *args]
+
+
+def _profile_isolated(opts: ProfileOptions) -> dict:
+    """Each side in processes of its own (ranks through torchrun), one side after the other,
+    so neither is charged for what the other leaves allocated (a ZeRO-3 engine that hit an
+    out-of-memory error inside its forward is not freed); this process combines their
+    `DIR/<side>/side.json` into the report. A side that fails stops the run, naming it;
+    the sides already measured stay on disk."""
+    results, meta = {}, None
+    for side in ("baseline", "coat"):
+        directory = os.path.join(opts.out, side)
+        cmd = _side_command(opts, side, directory)
+        print(f"[{side}] in its own processes: {' '.join(cmd)}", flush=True)
+        code = subprocess.run(cmd).returncode
+        if code != 0:
+            raise RuntimeError(f"the {side} side failed (exit status {code}); command: {' '.join(cmd)}")
+        with open(os.path.join(directory, "side.json")) as f:
+            part = json.load(f)
+        meta = meta or part["meta"]
+        results[side] = part["side"]
+    out = combine(meta, results)
+    _report(out, opts.out)
     return out
