@@ -21,6 +21,8 @@ Runs in well under 3 minutes on one H100:
     python bench/act_memory.py --quick      # fewer timing repetitions
     python bench/act_memory.py --profile    # plus a torch.profiler table of one compressed
                                             # step of the 1.1B model (top CUDA and CPU ops)
+    python bench/act_memory.py --compile    # every decoder layer under torch.compile, both
+                                            # runs: fewer saved tensors, fewer launches
 """
 from __future__ import annotations
 
@@ -292,7 +294,16 @@ def main():
     ap.add_argument("--profile", action="store_true", help="also profile one compressed step of the 1.1B model")
     ap.add_argument("--bs", type=int, nargs="+", default=[2], help="batch sizes of the 1.1B model (larger: less "
                     "host-bound); the profile uses the last")
+    ap.add_argument("--compile", action="store_true",
+                    help="compile every decoder layer (torch.compile, in place) in both the BF16 and the FP8 run; "
+                         "the hooks then see the compiled graphs' saved tensors")
     args = ap.parse_args()
+    compiled = " (compiled)" if args.compile else ""
+
+    def maybe_compile(layers):
+        # In place, so the hooks' region (the model or layer) stays the module that runs.
+        for m in layers if args.compile else ():
+            m.compile()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     steps, reps = (3, 20) if args.quick else (6, 50)
@@ -303,18 +314,20 @@ def main():
     kern = bench_kernels(reps)
 
     layer = DecoderLayer(4096, 32, 32, 11008).to(dev, dt)
+    maybe_compile([layer])
     cos, sin = rope_tables(2048, 128, dt, dev)
 
     def layer_inputs():
         return (torch.randn(1, 2048, 4096, device=dev, dtype=dt, requires_grad=True), cos, sin)
 
-    rows = bench_model("Llama-2-7B layer, seq 2048, bs 1", layer, layer_inputs, lambda o: o.float().pow(2).mean(),
+    rows = bench_model(f"Llama-2-7B layer, seq 2048, bs 1{compiled}", layer, layer_inputs, lambda o: o.float().pow(2).mean(),
                        steps)
     del layer
     torch.cuda.empty_cache()
 
     # ~1.1B parameters (TinyLlama-1.1B shape): 22 layers, hidden 2048, GQA 32/4, MLP 5632.
     model = Llama(32000, 2048, 22, 32, 4, 5632).to(dev, dt)
+    maybe_compile(model.layers)
     n_params = sum(p.numel() for p in model.parameters())
     for bs in args.bs:
         ids = torch.randint(0, 32000, (bs, 2048), device=dev)
@@ -322,7 +335,7 @@ def main():
         def lm_loss(logits, ids=ids):
             return F.cross_entropy(logits[:, :-1].reshape(-1, 32000).float(), ids[:, 1:].reshape(-1))
 
-        rows += bench_model(f"Llama {n_params / 1e9:.2f}B, seq 2048, bs {bs}", model, lambda: (ids,), lm_loss,
+        rows += bench_model(f"Llama {n_params / 1e9:.2f}B, seq 2048, bs {bs}{compiled}", model, lambda: (ids,), lm_loss,
                             steps)
 
     print(f"\n# device: {torch.cuda.get_device_name()}  (bench took {time.time() - t_start:.0f} s)")
@@ -332,11 +345,11 @@ def main():
         print(f"{name:<20}{ms:>9.3f}{gbs:>9.0f}{pct:>9.1f}{host:>10.1f}")
     print("\n## Activation memory (MiB): held for backward after forward (the target), forward peak; "
           "step time (ms)")
-    print(f"{'model':<34}{'act bf16':>9}{'fp8':>7}{'x less':>7}{'peak bf16':>10}{'fp8':>7}{'x less':>7}"
+    print(f"{'model':<46}{'act bf16':>9}{'fp8':>7}{'x less':>7}{'peak bf16':>10}{'fp8':>7}{'x less':>7}"
           f"{'step bf16':>10}{'fp8':>7}{'ovh %':>7}{'host bf16':>10}{'fp8':>7}{'ledger bf16':>12}{'fp8':>7}"
           f"{'tensors':>8}")
     for r in rows:
-        print(f"{r[0]:<34}{r[1]:>9.0f}{r[2]:>7.0f}{r[3]:>7.2f}{r[4]:>10.0f}{r[5]:>7.0f}{r[6]:>7.2f}"
+        print(f"{r[0]:<46}{r[1]:>9.0f}{r[2]:>7.0f}{r[3]:>7.2f}{r[4]:>10.0f}{r[5]:>7.0f}{r[6]:>7.2f}"
               f"{r[7]:>10.1f}{r[8]:>7.1f}{r[9]:>7.1f}{r[10]:>10.1f}{r[11]:>7.1f}{r[12]:>12.0f}{r[13]:>7.0f}{r[14]:>8d}")
     if args.profile:
         _host_breakdown(model, ids, lm_loss, steps)
