@@ -363,12 +363,14 @@ def test_deepspeed_zero3_engine_is_freed_on_close():
 
 def test_throughput_steps_that_run_out_of_memory_give_none(monkeypatch):
     # A batch that fitted once near the limit can fail on repeat; the profiler then steps down.
-    from coat_ds.profile.run import _tokens_per_s_unless_oom
+    from coat_ds.profile.measure import unless_oom
+    from coat_ds.profile.run import _tokens_per_s
 
     _no_cuda_counters(monkeypatch)
     fake = _FakeGpuTrainee(capacity=6)
     fake.side = SimpleNamespace(name="coat")
-    assert _tokens_per_s_unless_oom(fake, 7, 8, 2, 1, 0, say=lambda s: None) is None
+    quiet = lambda s: None  # noqa: E731
+    assert unless_oom(fake, lambda: _tokens_per_s(fake, 7, 8, 2, 1, 0, quiet), quiet) is None
     assert fake.zero_grads == 1
-    assert _tokens_per_s_unless_oom(fake, 6, 8, 2, 1, 0, say=lambda s: None) > 0
+    assert unless_oom(fake, lambda: _tokens_per_s(fake, 6, 8, 2, 1, 0, quiet), quiet) > 0
     assert fake.steps == 3  # warm-up and two timed steps

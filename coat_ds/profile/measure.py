@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -201,18 +202,17 @@ def free_after_oom(trainee: Trainee, say=print) -> None:
     torch.cuda.empty_cache()
 
 
-def _measured_step_unless_oom(trainee: Trainee, batch: int, seq_len: int, vocab: int, seed: int):
-    """`_measured_step`, or None (on every rank) where it ran out of memory on some rank.
-    Where a larger model leaves room for one sequence only (13B under ZeRO-3 on two GPUs)."""
-    measured = None
+def unless_oom(trainee: Trainee, fn: Callable, say=print):
+    """fn(), or None (on every rank) where it ran out of memory on some rank; memory is freed."""
+    result = None
     try:
-        measured = _measured_step(trainee, batch, seq_len, vocab, seed)
+        result = fn()
     except torch.cuda.OutOfMemoryError:
         pass
     # Outside the except block: the traceback and the frames holding the step's tensors are gone.
-    if measured is None:
-        free_after_oom(trainee)
-    return measured if all_ranks_agree(measured is not None, trainee.device) else None
+    if result is None:
+        free_after_oom(trainee, say)
+    return result if all_ranks_agree(result is not None, trainee.device) else None
 
 
 def _state_tensors(trainee: Trainee):
@@ -228,7 +228,8 @@ def measure_side(trainee: Trainee, batches: tuple[int, int], seq_len: int, vocab
     for b in batches:
         say(f"[{name}] measuring a step at micro-batch {b}")
         if points and trainee.device.type == "cuda":
-            measured = _measured_step_unless_oom(trainee, b, seq_len, vocab, seed)
+            # Where a larger model leaves room for one sequence only (13B under ZeRO-3 on two GPUs).
+            measured = unless_oom(trainee, lambda: _measured_step(trainee, b, seq_len, vocab, seed), say)
             if measured is None:
                 say(f"[{name}] micro-batch {b} does not fit: activations per sample from micro-batch "
                     f"{points[0].batch} alone (intercept taken as 0)")

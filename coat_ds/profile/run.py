@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ..model import PRESETS, model_config
 from .engines import build_trainee, load_side
-from .measure import SideMeasurement, all_ranks_agree, free_after_oom, measure_side, train_step
+from .measure import SideMeasurement, measure_side, train_step, unless_oom
 from .options import ProfileOptions, child_argv
 from .report import markdown_table, write_chart, write_json
 from .search import CudaTrial, Trial, budget_fits, search_max_batch
@@ -100,25 +100,14 @@ def _launched() -> bool:
     return "RANK" in os.environ or "LOCAL_RANK" in os.environ
 
 
-def _tokens_per_s_unless_oom(trainee, batch: int, seq_len: int, steps: int, world: int, seed: int, say):
-    """`_tokens_per_s`, or None (on every rank) where a step ran out of memory on some rank."""
-    tps = None
-    try:
-        tps = _tokens_per_s(trainee, batch, seq_len, steps, world, seed, say)
-    except torch.cuda.OutOfMemoryError:
-        pass
-    if tps is None:
-        free_after_oom(trainee, say)
-    return tps if all_ranks_agree(tps is not None, trainee.device) else None
-
-
 def profile(opts: ProfileOptions) -> dict:
     """Run the profiler; every rank returns the result, rank 0 prints and writes it.
 
     Both sides, not under a launcher: each side runs in processes of its own (see
     `_profile_isolated`). Otherwise the sides asked for run here, one after the other."""
-    _load_sides(opts)  # bad options fail here, before any process or engine starts
-    resolve_model(opts.model, opts.seq_len)
+    # Bad options fail here, before any process or engine starts.
+    sides = _load_sides(opts)
+    name, mcfg, seq_len = resolve_model(opts.model, opts.seq_len)
     if opts.budget_gb is None and not torch.cuda.is_available():
         raise ValueError("on a CPU the search runs against a budget: give --budget-gb")
     if opts.side == "both" and opts.isolate and not _launched():
@@ -133,7 +122,6 @@ def profile(opts: ProfileOptions) -> dict:
         if rank == 0:
             print(msg, flush=True)
 
-    name, mcfg, seq_len = resolve_model(opts.model, opts.seq_len)
     if opts.budget_gb is not None:
         budget = opts.budget_gb * 1e9
     else:
@@ -147,7 +135,6 @@ def profile(opts: ProfileOptions) -> dict:
     say(f"model {name}: {mcfg.num_params() / 1e6:.1f}M params, seq {seq_len}, engine {opts.engine}, "
         f"{world} rank(s) on {device.type}; budget {budget / 1e9:.3f} GB per rank; search: {search}")
 
-    sides = _load_sides(opts)
     if opts.side == "both":
         say("both sides run in this process, one after the other: what the first leaves allocated is "
             "charged to the second (start without a launcher, with --nproc N, to run each in its own processes)")
@@ -203,7 +190,9 @@ def _measure_and_search(opts: ProfileOptions, side, mcfg, seq_len: int, device: 
     best = min(_gather(best))
     tps = None
     while device.type == "cuda" and best > 0 and opts.throughput_steps:
-        tps = _tokens_per_s_unless_oom(holder["t"], best, seq_len, opts.throughput_steps, world, opts.seed, say)
+        trainee = holder["t"]
+        tps = unless_oom(trainee, lambda: _tokens_per_s(trainee, best, seq_len, opts.throughput_steps, world,
+                                                        opts.seed, say), say)
         if tps is not None:
             break
         # A batch that fitted once, near the limit, and not on repeat (allocator fragmentation) does not fit.
