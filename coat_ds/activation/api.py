@@ -10,6 +10,7 @@ from torch import nn
 from ..config import ActivationConfig
 from .accounting import ActivationStats
 from .hooks import SavedTensorCompressor
+from .traced import FILTERING_MODE
 
 __all__ = ["compress_activations", "ActivationCompression", "activation_stats"]
 
@@ -21,6 +22,16 @@ _HANDLES: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyD
 def _handle_of(model: nn.Module) -> "ActivationCompression | None":
     ref = _HANDLES.get(model)
     return ref() if ref is not None else None
+
+
+def _set_filtering_mode(mode: str) -> str:
+    """Which saved values AOTAutograd offers our hooks in graphs compiled inside a region
+    (read when a graph is compiled); returns the mode it replaces."""
+    config = torch._functorch.config
+    previous = getattr(config, "saved_tensors_hooks_filtering_mode", mode)
+    if previous != mode:
+        config.saved_tensors_hooks_filtering_mode = mode
+    return previous
 
 
 def _inside_checkpoint_or_backward() -> bool:
@@ -62,8 +73,9 @@ class ActivationCompression:
             self._handles.append(m.register_forward_pre_hook(self._linear_input))
 
     # Under torch.compile the region hooks run eagerly (a graph break at each region's
-    # entry and exit): the compiled graphs' saved tensors then reach our pack hook at run
-    # time, through AOTAutograd's save_for_backward, as real tensors.
+    # entry and exit); graphs compiled in between find our hooks on top of the stack and
+    # get the FP8 quantization inlined (traced.py). Dynamo guards on which hooks are on
+    # top, so a paused or removed compression recompiles rather than runs stale graphs.
     @torch.compiler.disable
     def _enter(self, module: nn.Module, args, kwargs):
         if not (self.enabled and torch.is_grad_enabled()) or _inside_checkpoint_or_backward():
@@ -78,14 +90,16 @@ class ActivationCompression:
         for m in self._region_modules[id(module)]:
             for b in m._buffers.values():
                 comp.note_alive_anyway(b)
-        ctx = torch.autograd.graph.saved_tensors_hooks(comp.pack, comp.unpack)
+        ctx = torch.autograd.graph.saved_tensors_hooks(*comp.hooks)
         ctx.__enter__()
-        self._contexts.append(ctx)
+        self._contexts.append((ctx, _set_filtering_mode(FILTERING_MODE)))
 
     @torch.compiler.disable
     def _exit(self, module, args, kwargs, output):
-        ctx = self._contexts.pop() if self._contexts else None
-        if ctx is not None:
+        entry = self._contexts.pop() if self._contexts else None
+        if entry is not None:
+            ctx, mode = entry
+            _set_filtering_mode(mode)
             ctx.__exit__(None, None, None)
 
     def _linear_input(self, module, args):

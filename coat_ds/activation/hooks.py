@@ -12,24 +12,22 @@ import weakref
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 from ..config import ActivationConfig
 from ..kernels.act_ops import get_act_ops
 from ..kernels.fp8 import get_format
 from .accounting import Ledger, storage_key
 from .packing import PER_GROUP, PER_TENSOR, FP8Saved, FP8View, memory_order
+from .traced import TRACED_TAG, TracedCodec, graph_hook
 
-__all__ = ["SavedTensorCompressor", "COMPILE_MESSAGE"]
+__all__ = ["SavedTensorCompressor"]
 
 _FLOATS = frozenset((torch.float32, torch.bfloat16, torch.float16))
 _PLAIN = torch.Tensor
 _is_compiling = torch.compiler.is_compiling
-
-COMPILE_MESSAGE = (
-    "coat_ds.compress_activations: the saved-tensor pack hook is being traced by torch.compile "
-    "(it must run eagerly, on real tensors, from AOTAutograd's save_for_backward). Compile with "
-    "graph breaks allowed at the compressed regions (no fullgraph=True over them), or call "
-    "handle.remove() before compiling.")
+_TRACED = (FakeTensor, FunctionalTensor)
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
@@ -70,7 +68,10 @@ class _WeakTable:
 
 
 class SavedTensorCompressor:
-    """pack/unpack functions for `torch.autograd.graph.saved_tensors_hooks`, with its ledger."""
+    """pack/unpack functions for `torch.autograd.graph.saved_tensors_hooks`, with its ledger.
+
+    `hooks` is the pair to install: GraphModules, so that torch.compile inlines them into
+    its graphs (`traced.py`); called eagerly they are `pack` and `unpack`."""
 
     def __init__(self, config: ActivationConfig):
         self.config = config
@@ -86,6 +87,9 @@ class SavedTensorCompressor:
         linear = (PER_TENSOR if config.per_tensor_linear_inputs else PER_GROUP, get_format(config.linear_input_format))
         self._kinds = {False: other, True: linear}
         self._group_size = config.group_size
+        self._traced = TracedCodec(config)
+        # Looked up per call, so that a wrapper set on the instance (tests, benchmarks) is used.
+        self.hooks = (graph_hook(lambda t: self.pack(t), config), graph_hook(lambda saved: self.unpack(saved), config))
 
     def note_linear_input(self, x) -> None:
         if type(x) is _PLAIN:
@@ -105,10 +109,13 @@ class SavedTensorCompressor:
         return ops
 
     def pack(self, t: torch.Tensor):
-        if _is_compiling():
-            raise RuntimeError(COMPILE_MESSAGE)
         ledger = self.ledger
         if type(t) is not _PLAIN:
+            if isinstance(t, _TRACED) or _is_compiling():
+                # AOTAutograd tracing the pack into a compiled graph (a fake tensor, then a
+                # functional one; torch 2.11 is not "compiling" then). Not in the ledger:
+                # the graph runs it on every call, without us.
+                return self._traced.pack(t)
             if isinstance(t, nn.Parameter):
                 # Weights (FSDP2/ZeRO-3 gathered ones included) are re-gathered for
                 # backward; a copy would keep a second full weight alive.
@@ -154,6 +161,10 @@ class SavedTensorCompressor:
         ledger.add_compressed(t, root, saved.nbytes)
         return saved
 
-    @staticmethod
-    def unpack(saved):
-        return saved.restore() if type(saved) in (FP8Saved, FP8View) else saved
+    def unpack(self, saved):
+        kind = type(saved)
+        if kind is FP8Saved or kind is FP8View:
+            return saved.restore()
+        if kind is tuple and saved and saved[0] == TRACED_TAG:
+            return self._traced.unpack(saved)
+        return saved

@@ -1,0 +1,123 @@
+"""The hooks' compiled half: FP8 quantization written into torch.compile's graphs.
+
+Our hooks reach autograd as `torch.fx.GraphModule`s. Eagerly they are plain calls into
+`SavedTensorCompressor.pack`/`unpack`; but AOTAutograd treats a GraphModule pair on top of
+the saved-tensor hooks stack as traceable and inlines it (`maybe_inline_graph_saved_tensors_hooks`):
+the pack is traced on each saved value of a compiled forward graph (a FakeTensor) and put
+at the graph's end, the unpack at the start of the backward graph, and at run time the
+compiled function runs with the hooks disabled. Inductor then fuses the quantization into
+the kernels that produce the tensor and the dequantization into those that read it back,
+and no Python runs per saved tensor: the host cost that dominates the eager path is gone.
+
+Here the tensor is quantized per group (1 x group_size, the non-linear inputs' granularity)
+whatever op saved it: a graph's saved value does not say which op it feeds. Tensors are
+quantized in memory order and come back with their strides."""
+from __future__ import annotations
+
+import hashlib
+import sys
+from pathlib import Path
+
+import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from ..config import ActivationConfig
+from ..kernels import reference
+from ..kernels.fp8 import get_format
+from . import packing
+from .packing import memory_order
+
+__all__ = ["graph_hook", "FILTERING_MODE", "TracedCodec", "TRACED_TAG"]
+
+try:
+    from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
+except ImportError:  # older torch: no graph context for the pack
+    _get_saved_tensor_hook_context = None
+
+# Offer every saved value but parameters and other static inputs to the pack, which tells
+# from the graphs which inputs are alive anyway. Without that context, only intermediates
+# ("donated", torch's default): the residual stream entering each layer then stays BF16.
+FILTERING_MODE = "no_static" if _get_saved_tensor_hook_context is not None else "donated"
+TRACED_TAG = "coat_ds.fp8"
+_FLOATS = frozenset((torch.float32, torch.bfloat16, torch.float16))
+
+
+def _stands_for_a_hook(x):
+    raise RuntimeError("coat_ds: a saved-tensor hook's placeholder graph was run; its module's __call__ is the hook")
+
+
+def _code_hash(config: ActivationConfig) -> str:
+    """What the traced pack/unpack depend on: this code and the config."""
+    h = hashlib.sha256(repr(config).encode())
+    for module in (sys.modules[__name__], reference, packing):
+        h.update(Path(module.__file__).read_bytes())
+    return h.hexdigest()
+
+
+def graph_hook(fn, config: ActivationConfig) -> torch.fx.GraphModule:
+    """A GraphModule that, called, is `fn`: AOTAutograd inlines hooks only of this type.
+
+    Its graph is only what AOTAutograd's cache reads: one wrapped call whose cache hash is
+    our code and config, so that a cached compiled graph is never reused after either
+    changes (an identity graph would key every configuration alike)."""
+    graph = torch.fx.Graph()
+    node = graph.call_function(_stands_for_a_hook, (graph.placeholder("x"),))
+    node.meta["is_wrapped"] = True
+    node.meta["user_cache_hash"] = _code_hash(config)
+    graph.output(node)
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    # GraphModule gives each instance a class of its own; calling through nn.Module's
+    # __call__ would add microseconds to every eager saved tensor.
+    type(gm).__call__ = staticmethod(fn)
+    return gm
+
+
+def _alive_anyway() -> bool:
+    """Whether the saved graph value outlives the graph whatever we do: a graph input that
+    gets no gradient (the caller's data, rope tables) or a value also returned to the caller.
+    Without the graph context we are offered intermediates only (FILTERING_MODE)."""
+    ctx = _get_saved_tensor_hook_context() if _get_saved_tensor_hook_context is not None else None
+    if ctx is None:
+        return _get_saved_tensor_hook_context is not None
+    node, fw, bw = ctx.get("_node"), ctx.get("_fw_graph"), ctx.get("_bw_graph")
+    if node is None or fw is None or bw is None:
+        return True
+    fw_outs = fw.output_node().args[0]
+    if sum(o is node for o in fw_outs) > 1:
+        return True  # returned and saved
+    if node.op != "placeholder":
+        return False
+    inputs = list(fw.find_nodes(op="placeholder"))
+    grads = bw.output_node().args[0]
+    if len(grads) != len(inputs):
+        return True
+    # The backward graph returns one gradient per forward input, None where none flows.
+    return grads[inputs.index(node)] is None
+
+
+class TracedCodec:
+    """pack/unpack bodies traced into compiled graphs (torch ops only, shapes static)."""
+
+    def __init__(self, config: ActivationConfig):
+        self.fmt = get_format(config.other_format)
+        self.group_size = config.group_size
+        self.min_numel = max(1, config.min_numel)
+
+    def pack(self, t: torch.Tensor):
+        # With dynamic shapes numel is symbolic: only a tensor known to be small is kept.
+        if t.dtype not in _FLOATS or statically_known_true(t.numel() < self.min_numel):
+            return t
+        perm = memory_order(t)
+        if perm is None or _alive_anyway():
+            return t
+        x = t.permute(perm) if perm else t
+        if not x.is_contiguous():
+            return t  # a view with gaps: the eager path copies it; a graph rarely saves one
+        codes, exps = reference.act_quantize_rows(x, self.group_size, self.fmt)
+        inverse = tuple(perm.index(d) for d in range(len(perm))) if perm else ()
+        return TRACED_TAG, codes, exps, t.dtype, inverse
+
+    def unpack(self, packed) -> torch.Tensor:
+        _, codes, exps, dtype, inverse = packed
+        x = reference.act_dequantize_rows(codes, exps, self.group_size, self.fmt, dtype)
+        return x.permute(inverse) if inverse else x
