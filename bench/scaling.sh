@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Run ON a multi-GPU machine (nvidia-h200-x2/x4/x8), from the repo root, with .whl/ carried
 # (bench/prepare_wheels.sh makes it). The issue-8 scaling set on every GPU of the machine:
-# the memory profiler for 7B and 13B under ZeRO-3 and 7B under FSDP2 (each side in its own
+# the memory profiler for 7B and 13B under ZeRO-3 and FSDP2 (each side in its own
 # processes), then a few train.py steps of 7B under FSDP2 with COAT. Outputs under $OUT:
 # <run>/profile.json|png, <run>.log, device.txt; the last lines printed are one table.
 #
-#   bash bench/scaling.sh                 # all four
-#   bash bench/scaling.sh p7b_zero3       # some of: p7b_zero3 p13b_zero3 p7b_fsdp2 train7b_fsdp2
+#   bash bench/scaling.sh                 # all five
+#   bash bench/scaling.sh p7b_zero3       # some of: p7b_zero3 p13b_zero3 p7b_fsdp2 p13b_fsdp2 train7b_fsdp2
 #
 # Env: LIMIT (seconds per run, default 170), SEQ (default 2048), STEPS (train.py, default 6).
 set -uo pipefail
@@ -26,13 +26,14 @@ profile() {  # name model engine coat_json baseline_json
     echo "$1: exit $?"
 }
 runs=("$@")
-[ ${#runs[@]} -eq 0 ] && runs=(p7b_zero3 p13b_zero3 p7b_fsdp2 train7b_fsdp2)
+[ ${#runs[@]} -eq 0 ] && runs=(p7b_zero3 p13b_zero3 p7b_fsdp2 p13b_fsdp2 train7b_fsdp2)
 for run in "${runs[@]}"; do
     SECONDS=0
     case $run in
         p7b_zero3) profile p7b_zero3 7b deepspeed coat_zero3 bf16_zero3 ;;
         p13b_zero3) profile p13b_zero3 13b deepspeed coat_zero3 bf16_zero3 ;;
         p7b_fsdp2) profile p7b_fsdp2 7b fsdp coat_zero3 bf16_zero3 ;;
+        p13b_fsdp2) profile p13b_fsdp2 13b fsdp coat_zero3 bf16_zero3 ;;
         train7b_fsdp2)
             timeout "$LIMIT" "$PYTHON" -m torch.distributed.run --nproc_per_node "$NGPU" train.py --fsdp \
                 --deepspeed ds_configs/coat_zero3.json --preset 7b --seq-len "$SEQ" --max-steps "$STEPS" \

@@ -15,16 +15,14 @@ quantized in memory order and come back with their strides."""
 from __future__ import annotations
 
 import hashlib
-import sys
 from pathlib import Path
 
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..config import ActivationConfig
-from ..kernels import reference
+from ..kernels import fp8, reference
 from ..kernels.fp8 import get_format
-from . import packing
 from .packing import memory_order
 
 __all__ = ["graph_hook", "FILTERING_MODE", "TracedCodec", "TRACED_TAG"]
@@ -49,8 +47,8 @@ def _stands_for_a_hook(x):
 def _code_hash(config: ActivationConfig) -> str:
     """What the traced pack/unpack depend on: this code and the config."""
     h = hashlib.sha256(repr(config).encode())
-    for module in (sys.modules[__name__], reference, packing):
-        h.update(Path(module.__file__).read_bytes())
+    for path in (*sorted(Path(__file__).parent.glob("*.py")), Path(reference.__file__), Path(fp8.__file__)):
+        h.update(path.read_bytes())
     return h.hexdigest()
 
 
