@@ -65,6 +65,7 @@ class TrainConfig:
     deepspeed: str = "ds_configs/coat_zero2.json"  # DeepSpeed JSON config (read by both engines)
     fsdp_mode: str = "fsdp2"  # FSDP engine: "fsdp2" (fully_shard) or "fsdp1" (FullyShardedDataParallel)
     compress_activations: bool = False  # store saved activations in FP8 (coat_ds.compress_activations)
+    compile: bool = False  # torch.compile each decoder block (FP8 activations then compiled into its graphs)
 
 
 def parse_config(argv: list[str]) -> TrainConfig:
@@ -99,7 +100,21 @@ def parse_config(argv: list[str]) -> TrainConfig:
         raise SystemExit(f"unknown engine {cfg.engine!r}; choose from {', '.join(ENGINES)}")
     if cfg.fsdp_mode not in ("fsdp2", "fsdp1"):
         raise SystemExit(f"unknown fsdp_mode {cfg.fsdp_mode!r}; choose fsdp2 or fsdp1")
+    if cfg.compile and cfg.engine == "deepspeed" and zero_stage(cfg.deepspeed) == 3:
+        # ZeRO-3 swaps each parameter between its partition and the gathered tensor: the
+        # compiled blocks recompile and break on them (3x slower than eager on CPU).
+        raise SystemExit(f"compile: not with ZeRO stage 3 under the DeepSpeed engine ({cfg.deepspeed}); "
+                         "use --fsdp (FSDP2 shards the same way) or ZeRO stage 1/2")
     return cfg
+
+
+def zero_stage(ds_json: str) -> int:
+    """The ZeRO stage a DeepSpeed JSON asks for (0 when unreadable: DeepSpeed reports that)."""
+    try:
+        with open(ds_json) as fh:
+            return int((json.load(fh).get("zero_optimization") or {}).get("stage", 0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0
 
 
 def lr_factor(cfg: TrainConfig, step: int) -> float:
@@ -275,6 +290,11 @@ def train(cfg: TrainConfig) -> None:
     say(f"data: {data.description}\nmodel: {cfg.preset}, {mcfg.num_params() / 1e6:.2f}M params", flush=True)
     # Hooks on the unsharded modules, before either engine wraps them; the handle counts bytes.
     activations = compress_activations(model) if cfg.compress_activations else None
+    if cfg.compile:
+        # Block by block, in place and before the engine wraps them (as torchtitan does):
+        # the engines' hooks stay outside the graphs, and one graph serves every block.
+        for block in model.blocks:
+            block.compile()
 
     runner = ENGINES[cfg.engine](cfg, model)
     start = 0
@@ -305,7 +325,10 @@ def train(cfg: TrainConfig) -> None:
             state_gb = max_over_ranks(runner.optimizer_state_bytes()) / 1e9
             say(f"optimizer state: {state_gb:.4g} GB on the largest rank", flush=True)
             record(step=done, optimizer_state_gb=state_gb)
-            if activations:
+            if activations and cfg.compile:
+                say("saved activations: quantized inside the compiled blocks (the hooks count only "
+                    "what runs eagerly)", flush=True)
+            elif activations:
                 a = activations.stats()  # rank 0's micro-batches of this first step
                 say(f"saved activations, step {done} on rank 0: {a.compressed_bytes / 1e6:.4g} MB with FP8 vs "
                     f"{a.uncompressed_bytes / 1e6:.4g} MB without (ratio {a.ratio:.2f})", flush=True)

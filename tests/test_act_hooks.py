@@ -266,11 +266,18 @@ def test_alive_anyway_is_measured_and_region_leaf_inputs_are_skipped():
 
 
 def _graph_saved(out) -> list[torch.Tensor]:
-    """What the compiled function's backward node holds (the graph's saved values)."""
-    node = out.grad_fn
-    while not hasattr(node, "saved_tensors"):
-        node = node.next_functions[0][0]
-    return list(node.saved_tensors)
+    """What the compiled functions' backward nodes hold (the graphs' saved values)."""
+    saved, stack, seen = [], [out.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CompiledFunctionBackward":
+            saved += node.saved_tensors
+        stack += [f for f, _ in node.next_functions]
+    assert saved, "no compiled graph in the autograd graph"
+    return saved
 
 
 def _float_bytes(tensors, floor: int) -> int:
@@ -359,6 +366,38 @@ def test_torch_compile_inlines_where_tracing_is_not_compiling(monkeypatch):
     # pack must still take its traced path rather than keep the tensor as a subclass.
     monkeypatch.setattr(hooks_module, "_is_compiling", lambda: False)
     test_torch_compile_inlines_fp8_into_the_graphs("aot_eager")
+
+
+def test_torch_compile_under_fsdp2(tmp_path):
+    # As train.py --fsdp --compile does: hooks, then each block compiled in place, then
+    # fully_shard. FSDP2's hooks stay outside the graph; the graph still saves FP8.
+    from torch.distributed.fsdp import fully_shard
+
+    from helpers import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    torch.distributed.init_process_group("gloo")
+    try:
+        block = make_block(torch.float32)
+        x = torch.randn(2, 32, 64)
+        cos, sin = rope_tables(32, 16, torch.float32)
+        want = block_grads(block, x, cos, sin)
+        handle = coat_ds.compress_activations(block, config=CFG)
+        torch._dynamo.reset()
+        block.compile()
+        fully_shard(block)
+        held = _graph_saved(block(x.requires_grad_(True), cos, sin))
+        x.requires_grad_(False)
+        assert sum(t.numel() for t in held if t.dtype == torch.uint8) >= 8 * x.numel()
+        got = block_grads(block, x, cos, sin)
+        for n in want:
+            g = got[n].full_tensor() if hasattr(got[n], "full_tensor") else got[n]
+            assert sqnr_db(want[n], g) > GRAD_SQNR_DB, n
+        handle.remove()
+    finally:
+        torch._dynamo.reset()
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def test_torch_compile_dynamic_shapes_are_compressed_too():
