@@ -71,6 +71,9 @@ def run_variant(variant: str, args, data, device: torch.device) -> dict:
         opt = CoatAdamW(model.parameters(), lr=args.lr, betas=betas, weight_decay=args.weight_decay,
                         dynamic_range_expansion=variant != "coat_nodre")
     handle = compress_activations(model) if variant == "coat_act" else None
+    if args.compile:
+        for block in model.blocks:  # in place, as train.py --compile does
+            block.compile()
     bf16 = device.type == "cuda" and not args.fp32
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
 
@@ -153,6 +156,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--eval-batches", type=int, default=20)
     ap.add_argument("--variants", default=DEFAULT_VARIANTS, help="comma-separated subset of " + ",".join(VARIANTS))
     ap.add_argument("--fp32", action="store_true", help="no BF16 autocast on CUDA")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each decoder block (every variant)")
     ap.add_argument("--max-data-bytes", type=int, default=32_000_000)
     ap.add_argument("--log-interval", type=int, default=50)
     ap.add_argument("--out", default="", help="write <out>.json and <out>.png")

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Run ON a GPU machine, from the repo root, with .whl/ carried (bench/prepare_wheels.sh).
+# train.py under FSDP2 on every GPU, four ways at one micro-batch: BF16 + torch AdamW and
+# COAT (CoatAdamW + FP8 activations), each eager and with --compile. Same data, steps and
+# initial weights; the last lines printed are one table (tokens/s of the last log window,
+# peak memory, loss at the last step).
+#
+#   PRESET=7b MB=6 bash bench/train_compile.sh
+#
+# Env: PRESET (default 1b), MB (micro-batch per GPU, default 4), SEQ (2048), STEPS (10),
+# LIMIT (seconds per run, 150), OUT (runs/train_compile), NGPU (ranks; default every GPU).
+set -uo pipefail
+PYTHON=${PYTHON:-python3}
+"$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # device KINDS.md
+PRESET=${PRESET:-1b} MB=${MB:-4} SEQ=${SEQ:-2048} STEPS=${STEPS:-10} LIMIT=${LIMIT:-150}
+OUT=${OUT:-runs/train_compile}
+NGPU=${NGPU:-$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")}
+mkdir -p "$OUT"
+for side in bf16 coat; do  # the JSONs at this micro-batch
+    sed "s/\"train_micro_batch_size_per_gpu\": [0-9]*/\"train_micro_batch_size_per_gpu\": $MB/" \
+        "ds_configs/${side}_zero3.json" > "$OUT/${side}.json"
+done
+run() {  # name json flags...
+    local name=$1 json=$2; shift 2
+    SECONDS=0
+    timeout "$LIMIT" "$PYTHON" -m torch.distributed.run --nproc_per_node "$NGPU" train.py --fsdp --deepspeed "$json" \
+        --preset "$PRESET" --seq-len "$SEQ" --max-steps "$STEPS" --warmup-steps 2 --log-interval 2 \
+        --eval-interval 0 --eval-batches 1 --metrics-file "$OUT/$name.jsonl" "$@" > "$OUT/$name.log" 2>&1
+    echo "$name: exit $? ($SECONDS s)"
+}
+run bf16_eager "$OUT/bf16.json"
+run bf16_compiled "$OUT/bf16.json" --compile
+run coat_eager "$OUT/coat.json" --compress-activations
+run coat_compiled "$OUT/coat.json" --compress-activations --compile
+"$PYTHON" - "$OUT" "$PRESET" "$MB" "$NGPU" <<'PY'
+import json, os, sys
+out, preset, mb, ngpu = sys.argv[1:]
+rows = {}
+for name in ("bf16_eager", "bf16_compiled", "coat_eager", "coat_compiled"):
+    path = os.path.join(out, name + ".jsonl")
+    logs = [json.loads(l) for l in open(path)] if os.path.isfile(path) else []
+    last = [m for m in logs if "tokens_per_s" in m]
+    rows[name] = last[-1] if last else None
+print(f"{preset}, FSDP2 on {ngpu} GPUs, micro-batch {mb} per GPU")
+print("| run | tokens/s (last window) | vs bf16 eager | peak mem GB | loss at last step |")
+base = rows["bf16_eager"] and rows["bf16_eager"]["tokens_per_s"]
+for name, m in rows.items():
+    if m is None:
+        print(f"| {name} | failed | | | |")
+        continue
+    ratio = f"{m['tokens_per_s'] / base:.3f}x" if base else "-"
+    print(f"| {name} | {m['tokens_per_s']:,.0f} | {ratio} | {m['peak_mem_gb']:.2f} | {m['loss']:.4f} |")
+PY
