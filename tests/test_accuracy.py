@@ -37,7 +37,7 @@ def test_coat_adamw_loss_matches_torch_adamw(data):
     1% bound there would test luck, not the optimizer."""
     lp = _bench("loss_parity")
     args = SimpleNamespace(preset="tiny", steps=200, batch_size=8, seq_len=64, lr=1e-3, warmup=20,
-                           weight_decay=0.1, seed=1337, eval_batches=16, fp32=True, log_interval=0)
+                           weight_decay=0.1, seed=1337, eval_batches=16, fp32=True, log_interval=0, compile=False)
     dev = torch.device("cpu")
     base = lp.run_variant("adamw", args, data, dev)
     coat = lp.run_variant("coat", args, data, dev)

@@ -368,14 +368,16 @@ def test_torch_compile_inlines_where_tracing_is_not_compiling(monkeypatch):
     test_torch_compile_inlines_fp8_into_the_graphs("aot_eager")
 
 
-def test_torch_compile_under_fsdp2(tmp_path):
+def test_torch_compile_under_fsdp2(monkeypatch):
     # As train.py --fsdp --compile does: hooks, then each block compiled in place, then
     # fully_shard. FSDP2's hooks stay outside the graph; the graph still saves FP8.
     from torch.distributed.fsdp import fully_shard
 
     from helpers import free_port
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    # Set for this test only: later tests start launchers that read RANK and WORLD_SIZE.
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1").items():
+        monkeypatch.setenv(key, value)
     torch.distributed.init_process_group("gloo")
     try:
         block = make_block(torch.float32)
