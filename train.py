@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import math
 import os
@@ -33,6 +32,7 @@ import yaml
 
 from coat_ds import compress_activations
 from coat_ds.data import DataConfig, TokenData, batch_seed, load_data
+from coat_ds.engines import shutdown_distributed
 from coat_ds.model import PRESETS, Llama, model_config
 
 
@@ -354,19 +354,6 @@ def train(cfg: TrainConfig) -> None:
             t0 = time.perf_counter()
     if metrics:
         metrics.close()
-
-
-def shutdown_distributed() -> None:
-    # A gloo process group destroyed while the interpreter finalizes can SIGABRT ("terminate
-    # called without an active exception") and turn a finished run into a failed exit status.
-    # The engine's objects hold the group (FSDP2's parameter groups keep it, DeepSpeed's
-    # engine too) and sit in reference cycles, so they would only die in that finalization:
-    # collect them now, then end the group on every rank together.
-    gc.collect()
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    gc.collect()
 
 
 def main(argv=None) -> None:

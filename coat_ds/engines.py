@@ -1,4 +1,5 @@
-"""What train.py's FSDP engine takes from a DeepSpeed JSON, and how it sizes optimizer state.
+"""What train.py's FSDP engine takes from a DeepSpeed JSON, how it sizes optimizer state, and
+how train.py and the profiler end the process group they run in.
 
 One JSON stays the single source of truth for both engines: an FSDP run reads the same
 micro-batch, gradient accumulation, clipping, BF16 switch and optimizer section that DeepSpeed
@@ -6,16 +7,19 @@ would, so `--engine deepspeed` and `--engine fsdp` train the same thing.
 """
 from __future__ import annotations
 
+import gc
 import json
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .integrations.deepspeed import prepare_config
 from .optim import CoatAdamW
 
-__all__ = ["DsTrainSettings", "read_ds_settings", "optimizer_settings", "build_optimizer", "optimizer_state_bytes"]
+__all__ = ["DsTrainSettings", "read_ds_settings", "optimizer_settings", "build_optimizer", "optimizer_state_bytes",
+           "shutdown_distributed"]
 
 # DeepSpeed's own switches in an Adam/AdamW `params` section that torch.optim does not take:
 # `torch_adam` picks torch's implementation (what we use anyway), `adam_w_mode` is read below.
@@ -101,3 +105,18 @@ def optimizer_state_bytes(optim: torch.optim.Optimizer) -> int:
                 local = t.to_local() if isinstance(t, DTensor) else t
                 total += local.numel() * local.element_size()
     return total
+
+
+def shutdown_distributed() -> None:
+    """End the default process group, on every rank together, before the interpreter exits.
+
+    A gloo process group destroyed while the interpreter finalizes can SIGABRT ("terminate
+    called without an active exception") and turn a finished run into a failed exit status.
+    The engine's objects hold the group (FSDP2's parameter groups keep it, DeepSpeed's engine
+    too) and sit in reference cycles, so they would only die in that finalization: collect
+    them now, then end the group."""
+    gc.collect()
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    gc.collect()

@@ -20,7 +20,7 @@ from ..kernels.act_ops import get_act_ops
 from ..kernels.fp8 import get_format
 from .accounting import Ledger, storage_key
 from .packing import PER_GROUP, PER_TENSOR, FP8Saved, FP8View, memory_order
-from .traced import TRACED_TAG, TracedCodec, graph_hook
+from .traced import TRACED_TAG, TracedCodec, code_hash, graph_hook
 
 __all__ = ["SavedTensorCompressor"]
 
@@ -88,8 +88,11 @@ class SavedTensorCompressor:
         self._kinds = {False: other, True: linear}
         self._group_size = config.group_size
         self._traced = TracedCodec(config)
-        # Looked up per call, so that a wrapper set on the instance (tests, benchmarks) is used.
-        self.hooks = (graph_hook(lambda t: self.pack(t), config), graph_hook(lambda saved: self.unpack(saved), config))
+        cache_hash = code_hash(config)
+        # pack/unpack looked up per call, so that a wrapper set on the instance (tests,
+        # benchmarks) is used.
+        self.hooks = (graph_hook(lambda t: self.pack(t), cache_hash),
+                      graph_hook(lambda saved: self.unpack(saved), cache_hash))
 
     def note_linear_input(self, x) -> None:
         if type(x) is _PLAIN:

@@ -25,7 +25,7 @@ from ..kernels import fp8, reference
 from ..kernels.fp8 import get_format
 from .packing import memory_order
 
-__all__ = ["graph_hook", "FILTERING_MODE", "TracedCodec", "TRACED_TAG"]
+__all__ = ["graph_hook", "code_hash", "FILTERING_MODE", "TracedCodec", "TRACED_TAG"]
 
 try:
     from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
@@ -44,7 +44,7 @@ def _stands_for_a_hook(x):
     raise RuntimeError("coat_ds: a saved-tensor hook's placeholder graph was run; its module's __call__ is the hook")
 
 
-def _code_hash(config: ActivationConfig) -> str:
+def code_hash(config: ActivationConfig) -> str:
     """What the traced pack/unpack depend on: this code and the config."""
     h = hashlib.sha256(repr(config).encode())
     for path in (*sorted(Path(__file__).parent.glob("*.py")), Path(reference.__file__), Path(fp8.__file__)):
@@ -52,16 +52,16 @@ def _code_hash(config: ActivationConfig) -> str:
     return h.hexdigest()
 
 
-def graph_hook(fn, config: ActivationConfig) -> torch.fx.GraphModule:
+def graph_hook(fn, cache_hash: str) -> torch.fx.GraphModule:
     """A GraphModule that, called, is `fn`: AOTAutograd inlines hooks only of this type.
 
     Its graph is only what AOTAutograd's cache reads: one wrapped call whose cache hash is
-    our code and config, so that a cached compiled graph is never reused after either
-    changes (an identity graph would key every configuration alike)."""
+    `cache_hash` (`code_hash`: our code and config), so that a cached compiled graph is never
+    reused after either changes (an identity graph would key every configuration alike)."""
     graph = torch.fx.Graph()
     node = graph.call_function(_stands_for_a_hook, (graph.placeholder("x"),))
     node.meta["is_wrapped"] = True
-    node.meta["user_cache_hash"] = _code_hash(config)
+    node.meta["user_cache_hash"] = cache_hash
     graph.output(node)
     gm = torch.fx.GraphModule(torch.nn.Module(), graph)
     # GraphModule gives each instance a class of its own; calling through nn.Module's

@@ -162,12 +162,15 @@ def _measure_and_search(opts: ProfileOptions, side, mcfg, seq_len: int, device: 
     key, holder = side.name, {}
     rank = dist.get_rank() if dist.is_initialized() else 0
 
-    def rebuild():
+    def close():
         if "t" in holder:
             holder.pop("t").close()
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+
+    def rebuild():
+        close()
         holder["t"] = build_trainee(opts.engine, side, mcfg, device, opts.seed)
 
     resident_at_start = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
@@ -200,10 +203,7 @@ def _measure_and_search(opts: ProfileOptions, side, mcfg, seq_len: int, device: 
         trials.append(Trial(best, False, None))
         best -= 1
         rebuild()  # an engine interrupted mid-backward may be unusable
-    holder.pop("t").close()
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    close()
     say(f"[{key}] max micro-batch {best}")
     return {"config": side.config_path, "ranks": _gather(m.to_dict()), "max_micro_batch": best,
             "trials": [t.__dict__ for t in trials], "tokens_per_s": tps, "resident_at_start_bytes": resident_at_start}
