@@ -10,13 +10,8 @@
 #
 # Env: LIMIT (seconds per run, default 170), SEQ (default 2048), STEPS (train.py, default 6).
 set -uo pipefail
-PYTHON=${PYTHON:-python3}
-"$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 DS_ACCELERATOR=cuda
-# NVLink multicast stays off on these shared hosts (device KINDS.md).
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. bench/device_env.sh
 OUT=${OUT:-runs/scaling} LIMIT=${LIMIT:-170} SEQ=${SEQ:-2048} STEPS=${STEPS:-6}
-NGPU=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')
 mkdir -p "$OUT"
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1; echo "$NGPU GPUs, $(date -u +%F)"; } > "$OUT/device.txt"
 profile() {  # name model engine coat_json baseline_json

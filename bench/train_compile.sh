@@ -8,15 +8,11 @@
 #   PRESET=7b MB=6 bash bench/train_compile.sh
 #
 # Env: PRESET (default 1b), MB (micro-batch per GPU, default 4), SEQ (2048), STEPS (10),
-# LIMIT (seconds per run, 150), OUT (runs/train_compile), NGPU (ranks; default every GPU).
+# LIMIT (seconds per run, 150), OUT (runs/train_compile); NGPU, SKIP_WHEELS: bench/device_env.sh.
 set -uo pipefail
-PYTHON=${PYTHON:-python3}
-"$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # device KINDS.md
+. bench/device_env.sh
 PRESET=${PRESET:-1b} MB=${MB:-4} SEQ=${SEQ:-2048} STEPS=${STEPS:-10} LIMIT=${LIMIT:-150}
 OUT=${OUT:-runs/train_compile}
-NGPU=${NGPU:-$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")}
 mkdir -p "$OUT"
 for side in bf16 coat; do  # the JSONs at this micro-batch
     sed "s/\"train_micro_batch_size_per_gpu\": [0-9]*/\"train_micro_batch_size_per_gpu\": $MB/" \

@@ -12,17 +12,9 @@
 #   SKIP_WHEELS=1 PYTHON=/work/venv/bin/python DS_ACCELERATOR=cpu NGPU=2 MODEL_CONFIG=configs/tiny.yaml \
 #   SEQ=64 STEPS=10 OUT=/tmp/bench bash bench/train_deepspeed.sh coat_zero2 bf16_zero2
 set -euo pipefail
-PYTHON=${PYTHON:-python3}
-if [ -z "${SKIP_WHEELS:-}" ]; then
-    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site:${PYTHONPATH:-} PATH=/tmp/site/bin:$PATH
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 DS_ACCELERATOR=${DS_ACCELERATOR:-cuda}
-# NVLink multicast stays off on these shared hosts (device KINDS.md).
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. bench/device_env.sh
 OUT=${OUT:-runs/bench}
 STEPS=${STEPS:-60} MICRO=${MICRO:-8} SEQ=${SEQ:-2048} MODEL_CONFIG=${MODEL_CONFIG:-configs/1b.yaml}
-NGPU=${NGPU:-$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')}
 mkdir -p "$OUT" /tmp/bench_cfg
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no GPU"; } \
     | sed "s/^/$(date -u +%F) /" > "$OUT/device.txt"
