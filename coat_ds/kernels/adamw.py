@@ -4,7 +4,8 @@ One launch covers every tensor of a bucket (same param dtype, grad dtype and ste
 program owns BG whole groups of one tensor, so per-group statistics, the DRE exponent and
 the scale are computed without leaving the program. Tensors are reached through a table of
 raw addresses; the table is cached and rebuilt (pinned host memory, async copy) only when an
-address changes, so a step neither synchronises with the host nor recompiles.
+address changes, and the program map only when the tensors do, so a step neither
+synchronises with the host nor recompiles.
 """
 from __future__ import annotations
 
@@ -120,21 +121,32 @@ def _adamw_kernel(table_ptr, blocks_ptr, skipped_ptr,
 
 
 class _Plan:
-    """Device-side address table and program->(tensor, first group) map for one bucket."""
+    """One bucket's program -> (tensor, first group) map, fixed by its tensors' shapes, and
+    its device-side address table, rebound whenever an address changes.
 
-    def __init__(self, slots: list[AdamWSlot], key: list, group_size: int, device: torch.device):
+    The map has a row per program (~150k for 300M parameters): building it costs tens of
+    milliseconds of Python, so it is built once. Gradients move between steps whenever the
+    allocator hands them other blocks (new batches, set_to_none), and rebinding costs a row
+    per tensor."""
+
+    def __init__(self, slots: list[AdamWSlot], group_size: int, device: torch.device):
         self.bg = max(1, STEP_BLOCK_GROUPS * 128 // group_size) if device.type == "cuda" else tile_shape(group_size)
-        rows, blocks = [], []
-        for t, s in enumerate(slots):
-            lay = group_layout(s.param.shape, group_size)
-            rows.append(_addresses(s) + [lay.cols, lay.num_groups, lay.groups_per_row, 0, 0, 0])
-            blocks.extend((t, b) for b in range(0, lay.num_groups, self.bg))
-        self.key = key
+        self.device = device
+        self.layouts = [group_layout(s.param.shape, group_size) for s in slots]
+        blocks = [(t, b) for t, lay in enumerate(self.layouts) for b in range(0, lay.num_groups, self.bg)]
+        self.grid = len(blocks)
+        self.blocks = _to_device(blocks or [(0, 0)], device, torch.int32)
+        self.key = self.table = self.aligned = None
+
+    def bind(self, slots: list[AdamWSlot], key: list) -> None:
+        if key == self.key:
+            return
+        rows = [_addresses(s) + [lay.cols, lay.num_groups, lay.groups_per_row, 0, 0, 0]
+                for s, lay in zip(slots, self.layouts)]
         # 16-byte vector access needs every row start and every base address aligned.
         self.aligned = all(r[10] % 16 == 0 and all(a % 16 == 0 for a in r[:10]) for r in rows)
-        self.grid = len(blocks)
-        self.table = _to_device(rows, device)
-        self.blocks = _to_device(blocks or [(0, 0)], device, torch.int32)
+        self.table = _to_device(rows, self.device)
+        self.key = key
 
 
 def _addresses(s: AdamWSlot) -> list[int]:
@@ -177,16 +189,17 @@ def adamw_step(slots: list[AdamWSlot], hyper: AdamWHyper, *, group_size: int = 1
     quant = isinstance(slots[0].exp_avg, QuantizedGroups)
     fm, fv = get_format(fmt_m), get_format(fmt_v)
     key = _key(slots)
-    # Keyed by the tensors themselves: ZeRO-3 steps one sub-group's tensors per call, each
-    # with its own plan, and every one is reused on the next iteration.
-    cache_key = (quant, slots[0].param.dtype, slots[0].grad.dtype, tuple(k[0] for k in key))
+    # Keyed by the parameters themselves: ZeRO-3 steps one sub-group's tensors per call,
+    # each with its own plan, and every one is reused on the next iteration.
+    cache_key = (quant, slots[0].param.dtype, slots[0].grad.dtype, group_size, tuple((k[0], k[2]) for k in key))
     plan = None if plan_cache is None else plan_cache.get(cache_key)
-    if plan is None or plan.key != key:
-        plan = _Plan(slots, key, group_size, device)
+    if plan is None:
+        plan = _Plan(slots, group_size, device)
         if plan_cache is not None:
             if len(plan_cache) >= _MAX_PLANS:
                 plan_cache.pop(next(iter(plan_cache)))
             plan_cache[cache_key] = plan
+    plan.bind(slots, key)
     if skipped is None:
         skipped = torch.zeros((), dtype=torch.int64, device=device)
     _adamw_kernel[(plan.grid,)](
