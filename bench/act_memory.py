@@ -11,7 +11,8 @@ and a ~1.1B Llama model:
     cannot shrink that part, so on a single layer it dilutes the ratio; over many layers
     the held activations dominate and the two ratios meet;
   * the hooks' exact ledger (saved-for-backward bytes with and without compression);
-  * the training-step time (forward + backward), median of several steps, and overhead;
+  * the training-step time (forward + backward), median of several steps taken in turns
+    with the BF16 ones, and overhead;
   * kernels: device time per call with the GPU queue kept full (so host launch latency is
     not counted), as GB/s and % of a measured device-to-device copy; and host time per
     call (launch cost: what each saved tensor costs the CPU).
@@ -112,22 +113,25 @@ class Llama(nn.Module):
         return self.lm_head(self.norm(x))
 
 
-def _measure(model, make_inputs, loss_fn, compress: bool, steps: int, ops=None):
-    """(bytes held after forward, forward peak bytes, step ms, host ms, hook stats).
+def _measure(model, make_inputs, loss_fn, steps: int, ops=None):
+    """Both sides on one model, through one handle switched on and off: {compress: (bytes
+    held after forward, forward peak bytes, step ms, host ms)} and the FP8 step's hook stats.
 
-    Host ms is the time until backward() returns, before the final sync: when it is close
-    to the step time, the host (Python, launches) and not the GPU sets the pace. `ops`
+    Memory comes from one step of each side; times from `steps` rounds of one BF16 and one
+    FP8 step, the order swapped every round, so that a drifting clock or a warming GPU
+    weighs on both sides alike. Host ms is the time until backward() returns, before the
+    final sync: close to the step time, the host (Python, launches) sets the pace. `ops`
     replaces the activation kernels (the --profile breakdown)."""
-    handle = coat_ds.compress_activations(model, config=ActivationConfig()) if compress else None
+    handle = coat_ds.compress_activations(model, config=ActivationConfig())
     if ops is not None:
         handle.compressor._ops[torch.cuda.current_device()] = ops
     inputs = make_inputs()
-    times, host = [], []
-    for i in range(steps + 2):
+
+    def step(compress):
+        handle.enabled = compress  # compiled layers hold a graph for each (Dynamo guards on the hooks)
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
-        if handle is not None:
-            handle.reset_stats()
+        handle.reset_stats()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
@@ -139,20 +143,26 @@ def _measure(model, make_inputs, loss_fn, compress: bool, steps: int, ops=None):
         loss_fn(out).backward()
         t1 = time.perf_counter()
         torch.cuda.synchronize()
-        if i >= 2:
-            times.append((time.perf_counter() - t0) * 1e3)
-            host.append((t1 - t0) * 1e3)
-        stats = handle.stats() if handle is not None else None
-        del out
-    if handle is not None:
-        handle.remove()
+        return held, peak, (time.perf_counter() - t0) * 1e3, (t1 - t0) * 1e3
+
+    for _ in range(2):  # compile and warm up both sides
+        step(False)
+        step(True)
+    mem = {False: step(False)[:2], True: step(True)[:2]}
+    stats = handle.stats()
+    times = {False: [], True: []}
+    for i in range(steps):
+        for compress in ((False, True) if i % 2 == 0 else (True, False)):
+            times[compress].append(step(compress)[2:])
+    handle.remove()
     model.zero_grad(set_to_none=True)
-    return held, peak, statistics.median(times), statistics.median(host), stats
+    return {c: (*mem[c], statistics.median(t for t, _ in times[c]), statistics.median(h for _, h in times[c]))
+            for c in (False, True)}, stats
 
 
 def bench_model(name, model, make_inputs, loss_fn, steps):
-    res = {c: _measure(model, make_inputs, loss_fn, c, steps) for c in (False, True)}
-    (h0, p0, t0, c0, _), (h1, p1, t1, c1, st) = res[False], res[True]
+    res, st = _measure(model, make_inputs, loss_fn, steps)
+    (h0, p0, t0, c0), (h1, p1, t1, c1) = res[False], res[True]
     mib = 2**20
     return [(name, h0 / mib, h1 / mib, h0 / h1, p0 / mib, p1 / mib, p0 / p1, t0, t1, (t1 / t0 - 1) * 100, c0, c1,
              st.uncompressed_bytes / mib, st.compressed_bytes / mib, st.compressed_tensors)]
@@ -178,8 +188,9 @@ def _host_breakdown(model, ids, loss_fn, steps):
     """Step and host ms of the 1.1B model: BF16, compressed, and compressed with the
     kernels stubbed out (hooks + allocations only)."""
     print("\n## Host breakdown, 1.1B model (ms per step: step / host until backward() returns)")
-    for name, compress, ops in (("bf16", False, None), ("fp8", True, None), ("fp8, kernels stubbed", True, _stub_ops())):
-        _, _, t, c, _ = _measure(model, lambda: (ids,), loss_fn, compress, steps, ops)
+    res, _ = _measure(model, lambda: (ids,), loss_fn, steps)
+    stubbed, _ = _measure(model, lambda: (ids,), loss_fn, steps, _stub_ops())
+    for name, (_, _, t, c) in (("bf16", res[False]), ("fp8", res[True]), ("fp8, kernels stubbed", stubbed[True])):
         print(f"{name:<24}{t:>9.1f}{c:>9.1f}")
 
 
@@ -294,7 +305,7 @@ def main():
     ap.add_argument("--profile", action="store_true", help="also profile one compressed step of the 1.1B model")
     ap.add_argument("--bs", type=int, nargs="+", default=[2], help="batch sizes of the 1.1B model (larger: less "
                     "host-bound); the profile uses the last")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per run (default 6, 3 with --quick)")
+    ap.add_argument("--steps", type=int, default=None, help="timed rounds of one BF16 and one FP8 step (default 6, 3 with --quick)")
     ap.add_argument("--layer-bs", type=int, nargs="+", default=[1], help="batch sizes of the 7B layer")
     ap.add_argument("--compile", action="store_true",
                     help="compile every decoder layer (torch.compile, in place) in both the BF16 and the FP8 run; "

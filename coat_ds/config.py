@@ -78,13 +78,14 @@ class ActivationConfig:
     per_tensor_linear_inputs: bool = True  # linear inputs get one scale per tensor (False: per group)
     min_numel: int = 1024  # saved tensors with fewer elements are kept as they are
     keep_region_leaf_inputs: bool = True  # region inputs without grad_fn (held by the caller) stay uncompressed
+    compiled_recompute: bool = True  # under torch.compile, backward recomputes pointwise values it would otherwise save
     backend: str = "auto"  # "triton" kernels, "torch" reference, or "auto": Triton on CUDA, torch elsewhere
 
     def __post_init__(self):
         for name in ("linear_input_format", "other_format"):
             object.__setattr__(self, name, get_format(getattr(self, name)).name)
         _power_of_two("group_size", self.group_size, 2, 1024)
-        for name in ("per_tensor_linear_inputs", "keep_region_leaf_inputs"):
+        for name in ("per_tensor_linear_inputs", "keep_region_leaf_inputs", "compiled_recompute"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.min_numel, int) or isinstance(self.min_numel, bool) or self.min_numel < 0:

@@ -5,12 +5,13 @@ import weakref
 from typing import Callable
 
 import torch
+import torch._functorch.config as functorch_config
 from torch import nn
 
 from ..config import ActivationConfig
 from .accounting import ActivationStats
 from .hooks import SavedTensorCompressor
-from .traced import FILTERING_MODE
+from .traced import compile_settings
 
 __all__ = ["compress_activations", "ActivationCompression", "activation_stats"]
 
@@ -24,13 +25,14 @@ def _handle_of(model: nn.Module) -> "ActivationCompression | None":
     return ref() if ref is not None else None
 
 
-def _set_filtering_mode(mode: str) -> str:
-    """Which saved values AOTAutograd offers our hooks in graphs compiled inside a region
-    (read when a graph is compiled); returns the mode it replaces."""
-    config = torch._functorch.config
-    previous = getattr(config, "saved_tensors_hooks_filtering_mode", mode)
-    if previous != mode:
-        config.saved_tensors_hooks_filtering_mode = mode
+def _set_functorch(settings: dict) -> dict:
+    """Set AOTAutograd options (read when a graph is compiled, so they apply to graphs
+    compiled inside a region); returns the values they replace."""
+    config = functorch_config
+    previous = {k: getattr(config, k) for k in settings}
+    for k, v in settings.items():
+        if previous[k] != v:
+            setattr(config, k, v)
     return previous
 
 
@@ -55,6 +57,7 @@ class ActivationCompression:
         self.config = config
         self._model = weakref.ref(model)
         self.compressor = SavedTensorCompressor(config)
+        self._compile_settings = compile_settings(config)
         self.regions = [fqn for fqn, _ in regions]
         self.enabled = True
         self._contexts: list = []
@@ -92,14 +95,14 @@ class ActivationCompression:
                 comp.note_alive_anyway(b)
         ctx = torch.autograd.graph.saved_tensors_hooks(*comp.hooks)
         ctx.__enter__()
-        self._contexts.append((ctx, _set_filtering_mode(FILTERING_MODE)))
+        self._contexts.append((ctx, _set_functorch(self._compile_settings)))
 
     @torch.compiler.disable
     def _exit(self, module, args, kwargs, output):
         entry = self._contexts.pop() if self._contexts else None
         if entry is not None:
-            ctx, mode = entry
-            _set_filtering_mode(mode)
+            ctx, previous = entry
+            _set_functorch(previous)
             ctx.__exit__(None, None, None)
 
     def _linear_input(self, module, args):

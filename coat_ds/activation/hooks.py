@@ -142,7 +142,11 @@ class SavedTensorCompressor:
             ledger.add_skipped(t)
             return _as_is(t)
         perm = memory_order(t)
-        if perm is None:
+        # A statistic stays as it is: an op's output that no gradient flows through (the
+        # logsumexp attention's backward rebuilds its probabilities from), or one value per
+        # row (a norm's rsqrt). One FP8 error there scales a whole row of gradients; the
+        # bytes are a sliver of the activations'.
+        if perm is None or not t.requires_grad or t.shape[perm[-1] if perm else -1] == 1:
             ledger.add_kept(t, root)
             return _as_is(t)
         # A dense tensor is its first element's address plus its element count; views of the

@@ -15,9 +15,11 @@ quantized in memory order and come back with their strides."""
 from __future__ import annotations
 
 import hashlib
+import operator
 from pathlib import Path
 
 import torch
+import torch._functorch.config as functorch_config
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..config import ActivationConfig
@@ -25,7 +27,7 @@ from ..kernels import fp8, reference
 from ..kernels.fp8 import get_format
 from .packing import memory_order
 
-__all__ = ["graph_hook", "code_hash", "FILTERING_MODE", "TracedCodec", "TRACED_TAG"]
+__all__ = ["graph_hook", "code_hash", "compile_settings", "TracedCodec", "TRACED_TAG"]
 
 try:
     from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
@@ -38,6 +40,22 @@ except ImportError:  # older torch: no graph context for the pack
 FILTERING_MODE = "no_static" if _get_saved_tensor_hook_context is not None else "donated"
 TRACED_TAG = "coat_ds.fp8"
 _FLOATS = frozenset((torch.float32, torch.bfloat16, torch.float16))
+
+
+def compile_settings(config: ActivationConfig) -> dict:
+    """AOTAutograd options a region sets while it runs: graphs compiled inside it read them."""
+    settings = {}
+    if hasattr(functorch_config, "saved_tensors_hooks_filtering_mode"):
+        settings["saved_tensors_hooks_filtering_mode"] = FILTERING_MODE
+    if config.compiled_recompute and hasattr(functorch_config, "ban_recompute_materialized_backward"):
+        # The partitioner saves, rather than recomputes, a value that backward must
+        # materialize anyway (a matrix product's input: a norm's output, the MLP's
+        # silu(gate) * up, GQA's expanded k and v), since recomputing it costs a kernel.
+        # Saved in FP8 it costs one too, its quantization in forward, and a recomputation
+        # that reads FP8 inputs writes no more than a dequantization would: recomputing
+        # is then the cheaper way, and its bytes are not stored at all.
+        settings["ban_recompute_materialized_backward"] = False
+    return settings
 
 
 def _stands_for_a_hook(x):
@@ -70,9 +88,12 @@ def graph_hook(fn, cache_hash: str) -> torch.fx.GraphModule:
     return gm
 
 
-def _alive_anyway() -> bool:
-    """Whether the saved graph value outlives the graph whatever we do: a graph input that
-    gets no gradient (the caller's data, rope tables) or a value also returned to the caller.
+def _kept_as_is() -> bool:
+    """Whether the graph says to store the saved value as it is:
+    * it outlives the graph whatever we do: a graph input that gets no gradient (the
+      caller's data, rope tables), or a value also returned to the caller;
+    * it is an op's auxiliary output that only that op's backward reads (attention's
+      logsumexp; no gradient flows through it): a statistic, see hooks.py.
     Without the graph context we are offered intermediates only (FILTERING_MODE)."""
     ctx = _get_saved_tensor_hook_context() if _get_saved_tensor_hook_context is not None else None
     if ctx is None:
@@ -84,7 +105,7 @@ def _alive_anyway() -> bool:
     if sum(o is node for o in fw_outs) > 1:
         return True  # returned and saved
     if node.op != "placeholder":
-        return False
+        return node.target is operator.getitem and all(u.op == "output" for u in node.users)
     inputs = list(fw.find_nodes(op="placeholder"))
     grads = bw.output_node().args[0]
     if len(grads) != len(inputs):
@@ -106,11 +127,13 @@ class TracedCodec:
         if t.dtype not in _FLOATS or statically_known_true(t.numel() < self.min_numel):
             return t
         perm = memory_order(t)
-        if perm is None or _alive_anyway():
+        if perm is None or _kept_as_is():
             return t
         x = t.permute(perm) if perm else t
         if not x.is_contiguous():
             return t  # a view with gaps: the eager path copies it; a graph rarely saves one
+        if statically_known_true(x.shape[-1] == 1):
+            return t  # one value per row: a statistic (see hooks.py)
         codes, exps = reference.act_quantize_rows(x, self.group_size, self.fmt)
         inverse = tuple(perm.index(d) for d in range(len(perm))) if perm else ()
         return TRACED_TAG, codes, exps, t.dtype, inverse

@@ -1,0 +1,226 @@
+"""compress_activations under torch.compile: the FP8 quantization inlined into the compiled
+graphs, what those graphs keep as it is, the partitioner's recomputation, FSDP2, dynamic
+shapes, and the graph cache."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import coat_ds
+from coat_ds import ActivationConfig
+from coat_ds.activation import hooks as hooks_module
+from coat_ds.activation.hooks import SavedTensorCompressor
+from coat_ds.activation.traced import TracedCodec
+from coat_ds.kernels import reference
+from test_act_llama_block import GRAD_SQNR_DB, block_grads, make_block, rope_tables, sqnr_db
+
+CFG = ActivationConfig(backend="torch", min_numel=256)
+
+
+def _graph_saved(out) -> list[torch.Tensor]:
+    """What the compiled functions' backward nodes hold (the graphs' saved values)."""
+    saved, stack, seen = [], [out.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CompiledFunctionBackward":
+            saved += node.saved_tensors
+        stack += [f for f, _ in node.next_functions]
+    assert saved, "no compiled graph in the autograd graph"
+    return saved
+
+
+def _float_bytes(tensors, floor: int) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t.is_floating_point() and t.numel() >= floor)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_inlines_fp8_into_the_graphs(backend):
+    block = make_block(torch.float32)
+    params = {p.data_ptr() for p in block.parameters()}
+    torch.manual_seed(3)
+    x = torch.randn(2, 32, 64)
+    cos, sin = rope_tables(32, 16, torch.float32)
+    want = block_grads(block, x, cos, sin)
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend=backend)
+    plain = _graph_saved(compiled(x.requires_grad_(True), cos, sin))
+    x.requires_grad_(False)
+    handle = coat_ds.compress_activations(block, config=CFG)
+    try:
+        held = _graph_saved(compiled(x.requires_grad_(True), cos, sin))
+        x.requires_grad_(False)
+        got = {n.removeprefix("_orig_mod."): g for n, g in block_grads(compiled, x, cos, sin).items()}
+        # The quantization runs inside the graph: no Python hook saw a tensor.
+        assert handle.stats().compressed_tensors == 0
+        # Parameters, the caller's rope tables (no gradient: alive anyway) and attention's
+        # logsumexp (a statistic) are saved as they are; every other saved float of
+        # activation size is now FP8 codes and scales.
+        lse = [t for t in held if t.shape == (2, 4, 32)]
+        assert len(lse) == 1 and lse[0].dtype == torch.float32
+
+        def as_is(t):
+            return t.data_ptr() in params or t.data_ptr() in (cos.data_ptr(), sin.data_ptr()) or t is lse[0]
+
+        kept = [t for t in held if t.is_floating_point() and t.numel() >= 256]
+        assert all(as_is(t) for t in kept)
+        assert any(t.dtype == torch.uint8 for t in held) and any(t.dtype == torch.int8 for t in held)
+        acts = lambda ts: sum(t.numel() * t.element_size() for t in ts  # noqa: E731
+                              if t.numel() >= 256 and not as_is(t) and t.shape != (2, 4, 32))
+        assert acts(held) < 0.3 * acts(plain)  # float32 -> 1 byte codes + 1 byte per 16 scales
+        for n in want:
+            assert sqnr_db(want[n], got[n]) > GRAD_SQNR_DB, n
+        # Dynamo guards on the hooks in force: paused, the graph recompiles without them.
+        handle.enabled = False
+        paused = _graph_saved(compiled(x.requires_grad_(True), cos, sin))
+        assert _float_bytes(paused, 256) == _float_bytes(plain, 256)
+    finally:
+        handle.remove()
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_compiled_quantization_matches_the_reference_bitwise(fmt, device):
+    # Inductor generates its own FP8 casts for the inlined pack: they must give our codes.
+    torch.manual_seed(4)
+    x = (torch.randn(64, 96, device=device) * torch.exp(torch.randn(64, 96, device=device) * 3)).to(torch.bfloat16)
+    x[3] = 0  # all-zero groups stay zero
+    codec = TracedCodec(ActivationConfig(other_format=fmt))
+    want = reference.act_quantize_rows(x, 16, codec.fmt)
+    got = torch.compile(lambda t: reference.act_quantize_rows(t, 16, codec.fmt), backend="inductor")(x)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    back = torch.compile(lambda c, e: reference.act_dequantize_rows(c, e, 16, codec.fmt, torch.bfloat16))(*got)
+    assert torch.equal(back, reference.act_dequantize_rows(*want, 16, codec.fmt, torch.bfloat16))
+    assert torch.isfinite(back).all() and (back[3] == 0).all()
+
+
+@pytest.mark.gpu
+def test_torch_compile_on_cuda():
+    # float32, so that FP8 is the only rounding between the two runs (the codecs' BF16
+    # path on CUDA is checked bitwise above).
+    block = make_block(torch.float32, dim=256).cuda()
+    torch.manual_seed(5)
+    x = torch.randn(4, 128, 256, device="cuda")
+    cos, sin = rope_tables(128, 64, torch.float32, "cuda")
+    torch._dynamo.reset()
+    compiled = torch.compile(block)
+    want = {n.removeprefix("_orig_mod."): g for n, g in block_grads(compiled, x, cos, sin).items()}
+    handle = coat_ds.compress_activations(block, config=ActivationConfig())
+    try:
+        held = _graph_saved(compiled(x.requires_grad_(True), cos, sin))
+        x.requires_grad_(False)
+        assert sum(t.numel() for t in held if t.dtype == torch.uint8) >= 8 * x.numel()
+        got = {n.removeprefix("_orig_mod."): g for n, g in block_grads(compiled, x, cos, sin).items()}
+        for n in want:
+            assert sqnr_db(want[n], got[n]) > GRAD_SQNR_DB, n
+    finally:
+        handle.remove()
+        torch._dynamo.reset()
+
+
+def test_torch_compile_inlines_where_tracing_is_not_compiling(monkeypatch):
+    # torch 2.11 traces the pack on functional tensors with is_compiling() False; the
+    # pack must still take its traced path rather than keep the tensor as a subclass.
+    monkeypatch.setattr(hooks_module, "_is_compiling", lambda: False)
+    test_torch_compile_inlines_fp8_into_the_graphs("aot_eager")
+
+
+def test_torch_compile_under_fsdp2(monkeypatch):
+    # As train.py --fsdp --compile does: hooks, then each block compiled in place, then
+    # fully_shard. FSDP2's hooks stay outside the graph; the graph still saves FP8.
+    from torch.distributed.fsdp import fully_shard
+
+    from helpers import free_port
+
+    # Set for this test only: later tests start launchers that read RANK and WORLD_SIZE.
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1").items():
+        monkeypatch.setenv(key, value)
+    torch.distributed.init_process_group("gloo")
+    try:
+        block = make_block(torch.float32)
+        x = torch.randn(2, 32, 64)
+        cos, sin = rope_tables(32, 16, torch.float32)
+        want = block_grads(block, x, cos, sin)
+        handle = coat_ds.compress_activations(block, config=CFG)
+        torch._dynamo.reset()
+        block.compile()
+        fully_shard(block)
+        held = _graph_saved(block(x.requires_grad_(True), cos, sin))
+        x.requires_grad_(False)
+        assert sum(t.numel() for t in held if t.dtype == torch.uint8) >= 8 * x.numel()
+        got = block_grads(block, x, cos, sin)
+        for n in want:
+            g = got[n].full_tensor() if hasattr(got[n], "full_tensor") else got[n]
+            assert sqnr_db(want[n], g) > GRAD_SQNR_DB, n
+        handle.remove()
+    finally:
+        torch._dynamo.reset()
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+def test_torch_compile_dynamic_shapes_are_compressed_too():
+    block = make_block(torch.float32)
+    handle = coat_ds.compress_activations(block, config=CFG)
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend="aot_eager", dynamic=True)
+    try:
+        for b, s in ((2, 32), (3, 48)):
+            x = torch.randn(b, s, 64, requires_grad=True)
+            cos, sin = rope_tables(s, 16, torch.float32)
+            held = _graph_saved(compiled(x, cos, sin))
+            # Symbolic sizes: every saved activation is still FP8; only weights stay float.
+            params = {p.data_ptr() for p in block.parameters()} | {cos.data_ptr(), sin.data_ptr()}
+            assert not [t.shape for t in held if t.is_floating_point() and t.data_ptr() not in params
+                        and t.numel() >= b * s * 16]
+            assert sum(t.numel() for t in held if t.dtype == torch.uint8) >= 8 * b * s * 64
+    finally:
+        handle.remove()
+        torch._dynamo.reset()
+
+
+def test_compiled_graph_cache_is_keyed_by_config():
+    # AOTAutograd's cache keys inlined hooks by their graphs' wrapped-call hashes: two
+    # configurations (or two versions of our code) must never share a cached graph.
+    def key(config):
+        gm = SavedTensorCompressor(config).hooks[0]
+        return [n.meta.get("user_cache_hash") for n in gm.graph.nodes if n.op == "call_function"]
+
+    assert key(CFG) == key(ActivationConfig(backend="torch", min_numel=256))
+    assert key(CFG) != key(ActivationConfig(backend="torch", min_numel=256, group_size=32))
+    assert key(CFG) != key(ActivationConfig(backend="torch", min_numel=256, other_format="e5m2"))
+
+
+def test_compiled_graphs_keep_statistics_and_recompute_rather_than_save():
+    block = make_block(torch.float32)
+    torch.manual_seed(6)
+    x = torch.randn(4, 128, 64)
+    cos, sin = rope_tables(128, 16, torch.float32)
+    want = block_grads(block, x, cos, sin)
+    before = torch._functorch.config.ban_recompute_materialized_backward
+    fp8_bytes = {}
+    for recompute in (False, True):
+        config = ActivationConfig(backend="torch", min_numel=256, compiled_recompute=recompute)
+        handle = coat_ds.compress_activations(block, config=config)
+        torch._dynamo.reset()
+        compiled = torch.compile(block, backend="aot_eager")
+        try:
+            held = _graph_saved(compiled(x.requires_grad_(True), cos, sin))
+            x.requires_grad_(False)
+            # Both norms' rsqrt (one value per row) and attention's logsumexp (no gradient
+            # flows through it) steer whole rows of the gradient: stored as they are.
+            assert sum(t.dtype == torch.float32 and t.shape == (4, 128, 1) for t in held) == 2
+            assert sum(t.dtype == torch.float32 and t.shape == (4, 4, 128) for t in held) == 1
+            fp8_bytes[recompute] = sum(t.numel() for t in held if t.dtype in (torch.uint8, torch.int8))
+            got = {n.removeprefix("_orig_mod."): g for n, g in block_grads(compiled, x, cos, sin).items()}
+            for n in want:
+                assert sqnr_db(want[n], got[n]) > GRAD_SQNR_DB, n
+        finally:
+            handle.remove()
+            torch._dynamo.reset()
+        # The region sets the partitioner's option only while it runs.
+        assert torch._functorch.config.ban_recompute_materialized_backward == before
+    # Backward recomputes the norms' outputs and silu(gate) * up from saved values.
+    assert fp8_bytes[True] < 0.75 * fp8_bytes[False]
