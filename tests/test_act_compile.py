@@ -32,6 +32,20 @@ def _graph_saved(out) -> list[torch.Tensor]:
     return saved
 
 
+def _held(fn, x, cos, sin) -> list[torch.Tensor]:
+    """What one forward of `fn` (x requiring grad) leaves saved in its compiled graphs."""
+    held = _graph_saved(fn(x.requires_grad_(True), cos, sin))
+    x.requires_grad_(False)
+    return held
+
+
+def _assert_grads_close(fn, x, cos, sin, want) -> None:
+    got = {n.removeprefix("_orig_mod."): g for n, g in block_grads(fn, x, cos, sin).items()}
+    for n in want:
+        g = got[n].full_tensor() if hasattr(got[n], "full_tensor") else got[n]  # FSDP2: DTensor
+        assert sqnr_db(want[n], g) > GRAD_SQNR_DB, n
+
+
 def _float_bytes(tensors, floor: int) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t.is_floating_point() and t.numel() >= floor)
 
@@ -46,13 +60,11 @@ def test_torch_compile_inlines_fp8_into_the_graphs(backend):
     want = block_grads(block, x, cos, sin)
     torch._dynamo.reset()
     compiled = torch.compile(block, backend=backend)
-    plain = _graph_saved(compiled(x.requires_grad_(True), cos, sin))
-    x.requires_grad_(False)
+    plain = _held(compiled, x, cos, sin)
     handle = coat_ds.compress_activations(block, config=CFG)
     try:
-        held = _graph_saved(compiled(x.requires_grad_(True), cos, sin))
-        x.requires_grad_(False)
-        got = {n.removeprefix("_orig_mod."): g for n, g in block_grads(compiled, x, cos, sin).items()}
+        held = _held(compiled, x, cos, sin)
+        _assert_grads_close(compiled, x, cos, sin, want)
         # The quantization runs inside the graph: no Python hook saw a tensor.
         assert handle.stats().compressed_tensors == 0
         # Parameters, the caller's rope tables (no gradient: alive anyway) and attention's
@@ -70,11 +82,9 @@ def test_torch_compile_inlines_fp8_into_the_graphs(backend):
         acts = lambda ts: sum(t.numel() * t.element_size() for t in ts  # noqa: E731
                               if t.numel() >= 256 and not as_is(t) and t.shape != (2, 4, 32))
         assert acts(held) < 0.3 * acts(plain)  # float32 -> 1 byte codes + 1 byte per 16 scales
-        for n in want:
-            assert sqnr_db(want[n], got[n]) > GRAD_SQNR_DB, n
         # Dynamo guards on the hooks in force: paused, the graph recompiles without them.
         handle.enabled = False
-        paused = _graph_saved(compiled(x.requires_grad_(True), cos, sin))
+        paused = _held(compiled, x, cos, sin)
         assert _float_bytes(paused, 256) == _float_bytes(plain, 256)
     finally:
         handle.remove()
@@ -109,12 +119,9 @@ def test_torch_compile_on_cuda():
     want = {n.removeprefix("_orig_mod."): g for n, g in block_grads(compiled, x, cos, sin).items()}
     handle = coat_ds.compress_activations(block, config=ActivationConfig())
     try:
-        held = _graph_saved(compiled(x.requires_grad_(True), cos, sin))
-        x.requires_grad_(False)
+        held = _held(compiled, x, cos, sin)
         assert sum(t.numel() for t in held if t.dtype == torch.uint8) >= 8 * x.numel()
-        got = {n.removeprefix("_orig_mod."): g for n, g in block_grads(compiled, x, cos, sin).items()}
-        for n in want:
-            assert sqnr_db(want[n], got[n]) > GRAD_SQNR_DB, n
+        _assert_grads_close(compiled, x, cos, sin, want)
     finally:
         handle.remove()
         torch._dynamo.reset()
@@ -147,13 +154,9 @@ def test_torch_compile_under_fsdp2(monkeypatch):
         torch._dynamo.reset()
         block.compile()
         fully_shard(block)
-        held = _graph_saved(block(x.requires_grad_(True), cos, sin))
-        x.requires_grad_(False)
+        held = _held(block, x, cos, sin)
         assert sum(t.numel() for t in held if t.dtype == torch.uint8) >= 8 * x.numel()
-        got = block_grads(block, x, cos, sin)
-        for n in want:
-            g = got[n].full_tensor() if hasattr(got[n], "full_tensor") else got[n]
-            assert sqnr_db(want[n], g) > GRAD_SQNR_DB, n
+        _assert_grads_close(block, x, cos, sin, want)
         handle.remove()
     finally:
         torch._dynamo.reset()
@@ -207,16 +210,13 @@ def test_compiled_graphs_keep_statistics_and_recompute_rather_than_save():
         torch._dynamo.reset()
         compiled = torch.compile(block, backend="aot_eager")
         try:
-            held = _graph_saved(compiled(x.requires_grad_(True), cos, sin))
-            x.requires_grad_(False)
+            held = _held(compiled, x, cos, sin)
             # Both norms' rsqrt (one value per row) and attention's logsumexp (no gradient
             # flows through it) steer whole rows of the gradient: stored as they are.
             assert sum(t.dtype == torch.float32 and t.shape == (4, 128, 1) for t in held) == 2
             assert sum(t.dtype == torch.float32 and t.shape == (4, 4, 128) for t in held) == 1
             fp8_bytes[recompute] = sum(t.numel() for t in held if t.dtype in (torch.uint8, torch.int8))
-            got = {n.removeprefix("_orig_mod."): g for n, g in block_grads(compiled, x, cos, sin).items()}
-            for n in want:
-                assert sqnr_db(want[n], got[n]) > GRAD_SQNR_DB, n
+            _assert_grads_close(compiled, x, cos, sin, want)
         finally:
             handle.remove()
             torch._dynamo.reset()
