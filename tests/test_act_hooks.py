@@ -353,17 +353,20 @@ def test_training_loss_within_one_percent(fused_qkv):
 
 def test_deepspeed_activation_checkpointing():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    dsc = pytest.importorskip("deepspeed").checkpointing
+    deepspeed = pytest.importorskip("deepspeed")
+    dsc = deepspeed.checkpointing
+    # DeepSpeed's checkpoint works on its accelerator's device (cuda on a GPU machine).
+    dev = torch.device(deepspeed.accelerator.get_accelerator().device_name())
 
     class DSStack(_Stack):
         def forward(self, x, cos, sin):
             x = dsc.checkpoint(self.layers[0], x, cos, sin)
             return self.layers[1](x, cos, sin)
 
-    x = torch.randn(2, 32, 64)
-    cos, sin = rope_tables(32, 16, torch.float32)
-    want = _stack_grads(_Stack(), x, cos, sin)
-    model = DSStack()
+    x = torch.randn(2, 32, 64, device=dev)
+    cos, sin = rope_tables(32, 16, torch.float32, dev)
+    want = _stack_grads(_Stack().to(dev), x, cos, sin)
+    model = DSStack().to(dev)
     handle = coat_ds.compress_activations(model, config=CFG)
     got = _stack_grads(model, x, cos, sin)
     # DeepSpeed's checkpoint runs layer 0 under no_grad and recomputes it inside backward:
