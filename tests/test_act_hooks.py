@@ -292,6 +292,8 @@ def test_config_validation_and_api_errors():
         ActivationConfig(backend="cuda")
     with pytest.raises(ValueError):
         ActivationConfig(min_numel=-1)
+    with pytest.raises(ValueError, match="compiled_recompute"):
+        ActivationConfig(compiled_recompute="yes")
     assert ActivationConfig(linear_input_format="E5M2").linear_input_format == "e5m2"
     m = _SharedInput()
     with pytest.raises(ValueError):
