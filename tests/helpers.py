@@ -14,6 +14,12 @@ def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
     return math.inf if noise == 0 else 10 * math.log10(ref.pow(2).sum().item() / noise)
 
 
+def stored_as_is(t: torch.Tensor, out) -> bool:
+    """A saved-tensor hook stored `t` itself, or `t` detached: the same memory, no copy."""
+    return (isinstance(out, torch.Tensor) and out.data_ptr() == t.data_ptr() and out.shape == t.shape
+            and out.stride() == t.stride() and out.dtype == t.dtype)
+
+
 def moments_like(shape, seed: int, device="cpu"):
     """Non-zero first and second moments spanning the decades real AdamW moments span, with
     m**2 <= v as AdamW's own moments satisfy (so |m| / sqrt(v) <= 1)."""

@@ -19,6 +19,7 @@ def _worker(rank: int, init_file: str):
     import coat_ds
     from coat_ds import ActivationConfig
     from coat_ds.activation.packing import FP8Saved
+    from helpers import stored_as_is
     from test_act_llama_block import GRAD_SQNR_DB, TinyLlama, sqnr_db
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
@@ -42,9 +43,7 @@ def _worker(rank: int, init_file: str):
         def spying_pack(t):
             out = pack(t)
             root = t._base if t._base is not None else t
-            # Kept as is: `t`, or `t` detached (same memory, no copy).
-            as_is = isinstance(out, torch.Tensor) and out.data_ptr() == t.data_ptr() and out.shape == t.shape
-            saves.append((isinstance(root, nn.Parameter), as_is, isinstance(out, FP8Saved)))
+            saves.append((isinstance(root, nn.Parameter), stored_as_is(t, out), isinstance(out, FP8Saved)))
             return out
 
         handle.compressor.pack = spying_pack

@@ -18,6 +18,7 @@ import coat_ds
 from coat_ds import ActivationConfig
 from coat_ds.activation.packing import FP8Saved, FP8View
 from coat_ds.model import Llama, ModelConfig
+from helpers import stored_as_is
 from test_act_llama_block import GRAD_SQNR_DB, Block, TinyLlama, block_grads, make_block, rope_tables, sqnr_db
 
 CFG = ActivationConfig(backend="torch", min_numel=256)
@@ -38,12 +39,6 @@ def _spy(handle, keep_tensors=True):
     return seen
 
 
-def _as_is(t, out) -> bool:
-    """The hook stored `t` itself, or `t` detached: the same memory, no copy."""
-    return (isinstance(out, torch.Tensor) and out.data_ptr() == t.data_ptr() and out.shape == t.shape
-            and out.stride() == t.stride() and out.dtype == t.dtype)
-
-
 def _is_param_or_view(t, params):
     root = t._base if t._base is not None else t
     return any(root is p for p in params)
@@ -60,7 +55,7 @@ def test_parameters_and_their_views_are_never_copied():
     param_saves = [(t, out) for t, out in seen if _is_param_or_view(t, params)]
     # Linear weights are saved (as weight.t() views) and norm weights by their multiply.
     assert len(param_saves) >= 9
-    assert all(_as_is(t, out) for t, out in param_saves)
+    assert all(stored_as_is(t, out) for t, out in param_saves)
     fp8 = [out for _, out in seen if isinstance(out, (FP8Saved, FP8View))]
     assert fp8 and all(not _is_param_or_view(s.origin() if isinstance(s, FP8Saved) else s.saved.origin(), params)
                        for s in fp8 if (s.origin() if isinstance(s, FP8Saved) else s.saved.origin()) is not None)
@@ -80,7 +75,7 @@ def test_integer_and_tiny_tensors_are_kept():
     handle = coat_ds.compress_activations(m, config=CFG)
     seen = _spy(handle)
     m(x * 1.0, idx).backward()
-    kept = [t for t, out in seen if _as_is(t, out)]
+    kept = [t for t, out in seen if stored_as_is(t, out)]
     assert any(t.dtype == torch.int64 for t in kept)
     assert any(t.numel() == 16 for t in kept)
     assert handle.stats().compressed_tensors >= 1
@@ -108,7 +103,7 @@ def test_statistics_are_kept_as_they_are():
     rsqrt = [(t, out) for t, out in seen if t.shape == (4, 128, 1)]
     lse = [(t, out) for t, out in seen if t.shape == (4, 4, 128)]
     assert len(rsqrt) >= 2 and len(lse) == 1 and all(t.numel() >= CFG.min_numel for t, _ in rsqrt + lse)
-    assert all(_as_is(t, out) for t, out in rsqrt + lse)
+    assert all(stored_as_is(t, out) for t, out in rsqrt + lse)
     assert handle.stats().compressed_tensors >= 12
     handle.remove()
 

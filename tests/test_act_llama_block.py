@@ -2,8 +2,6 @@
 gradients vs the uncompressed run, and bytes accounting (<= 0.55x of BF16)."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +9,7 @@ from torch import nn
 
 import coat_ds
 from coat_ds import ActivationConfig
+from helpers import sqnr_db
 
 
 class RMSNorm(nn.Module):
@@ -97,11 +96,6 @@ class TinyLlama(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.lm_head(self.norm(x))
-
-
-def sqnr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
-    ref, test = ref.double(), test.double()
-    return 10 * math.log10(ref.pow(2).sum().item() / max((ref - test).pow(2).sum().item(), 1e-300))
 
 
 def block_grads(block, x, cos, sin, seed=1):

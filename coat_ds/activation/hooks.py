@@ -19,12 +19,11 @@ from ..config import ActivationConfig
 from ..kernels.act_ops import get_act_ops
 from ..kernels.fp8 import get_format
 from .accounting import Ledger, storage_key
-from .packing import PER_GROUP, PER_TENSOR, FP8Saved, FP8View, memory_order
+from .packing import FLOATS, PER_GROUP, PER_TENSOR, FP8Saved, FP8View, as_is, memory_order
 from .traced import TRACED_TAG, TracedCodec, code_hash, graph_hook
 
 __all__ = ["SavedTensorCompressor"]
 
-_FLOATS = frozenset((torch.float32, torch.bfloat16, torch.float16))
 _PLAIN = torch.Tensor
 _is_compiling = torch.compiler.is_compiling
 _TRACED = (FakeTensor, FunctionalTensor)
@@ -34,14 +33,6 @@ def _is_parameter(t: torch.Tensor) -> bool:
     # nn.Parameter's isinstance is a Python metaclass hook; a plain torch.Tensor is never a
     # Parameter (only subclass instances carry the `_is_param` mark it also accepts).
     return type(t) is not _PLAIN and isinstance(t, nn.Parameter)
-
-
-def _as_is(t: torch.Tensor) -> torch.Tensor:
-    # Not `t` itself: a node that saves its own output (rsqrt, exp) would then hold itself
-    # through t.grad_fn, a cycle inside autograd's C++ graph that only backward breaks. After
-    # an exception in forward (an out-of-memory error) it would keep the whole graph alive,
-    # and through ZeRO-3's backward hooks the model, its partitions and the optimizer.
-    return t.detach() if t.grad_fn is not None else t
 
 
 class _WeakTable:
@@ -126,21 +117,21 @@ class SavedTensorCompressor:
             else:
                 # Tensor subclasses (DTensor, FP8 wrappers) are not ours to copy.
                 ledger.add_other(t)
-            return _as_is(t)
+            return as_is(t)
         base = t._base
         root = t if base is None else base
         if base is not None and _is_parameter(base):
             ledger.add_skipped(t)
-            return _as_is(t)
+            return as_is(t)
         if not (t.is_cuda or t.is_cpu):
             ledger.add_other(t)
-            return _as_is(t)
-        if t.dtype not in _FLOATS or t.numel() < self._min_numel:
+            return as_is(t)
+        if t.dtype not in FLOATS or t.numel() < self._min_numel:
             ledger.add_kept(t, root)
-            return _as_is(t)
+            return as_is(t)
         if self._keep.refs and self._keep.get(storage_key(t)) is not None:
             ledger.add_skipped(t)
-            return _as_is(t)
+            return as_is(t)
         perm = memory_order(t)
         # A statistic stays as it is: an op's output that no gradient flows through (the
         # logsumexp attention's backward rebuilds its probabilities from), or one value per
@@ -148,7 +139,7 @@ class SavedTensorCompressor:
         # bytes are a sliver of the activations'.
         if perm is None or not t.requires_grad or t.shape[perm[-1] if perm else -1] == 1:
             ledger.add_kept(t, root)
-            return _as_is(t)
+            return as_is(t)
         # A dense tensor is its first element's address plus its element count; views of the
         # same memory (any shape or strides) share one FP8 copy while its original lives.
         ident = (t.get_device(), t.data_ptr(), t.numel(), t.dtype)

@@ -9,10 +9,21 @@ import weakref
 
 import torch
 
-__all__ = ["PER_TENSOR", "PER_GROUP", "FP8Saved", "FP8View", "memory_order"]
+__all__ = ["PER_TENSOR", "PER_GROUP", "FLOATS", "FP8Saved", "FP8View", "memory_order", "as_is"]
 
 PER_TENSOR = "per_tensor"
 PER_GROUP = "per_group"
+FLOATS = frozenset((torch.float32, torch.bfloat16, torch.float16))  # the dtypes we ever quantize
+
+
+def as_is(t: torch.Tensor) -> torch.Tensor:
+    """A saved tensor handed back to autograd uncompressed.
+
+    Not `t` itself: a node that saves its own output (rsqrt, exp) would then hold itself
+    through t.grad_fn, a cycle inside autograd's C++ graph that only backward breaks. After
+    an exception in forward (an out-of-memory error) it would keep the whole graph alive,
+    and through ZeRO-3's backward hooks the model, its partitions and the optimizer."""
+    return t.detach() if t.grad_fn is not None else t
 
 
 def memory_order(t: torch.Tensor) -> list[int] | None:

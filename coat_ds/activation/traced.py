@@ -25,7 +25,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ..config import ActivationConfig
 from ..kernels import fp8, reference
 from ..kernels.fp8 import get_format
-from .packing import memory_order
+from .packing import FLOATS, memory_order
 
 __all__ = ["graph_hook", "code_hash", "compile_settings", "TracedCodec", "TRACED_TAG"]
 
@@ -39,7 +39,6 @@ except ImportError:  # older torch: no graph context for the pack
 # ("donated", torch's default): the residual stream entering each layer then stays BF16.
 FILTERING_MODE = "no_static" if _get_saved_tensor_hook_context is not None else "donated"
 TRACED_TAG = "coat_ds.fp8"
-_FLOATS = frozenset((torch.float32, torch.bfloat16, torch.float16))
 
 
 def compile_settings(config: ActivationConfig) -> dict:
@@ -124,7 +123,7 @@ class TracedCodec:
 
     def pack(self, t: torch.Tensor):
         # With dynamic shapes numel is symbolic: only a tensor known to be small is kept.
-        if t.dtype not in _FLOATS or statically_known_true(t.numel() < self.min_numel):
+        if t.dtype not in FLOATS or statically_known_true(t.numel() < self.min_numel):
             return t
         perm = memory_order(t)
         if perm is None or _kept_as_is():

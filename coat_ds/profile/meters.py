@@ -10,6 +10,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ..activation.packing import as_is
+
 __all__ = ["Meter", "CudaMeter", "StorageMeter", "meter_for", "saved_tensor_bytes"]
 
 
@@ -143,5 +145,4 @@ class saved_tensor_bytes(torch.autograd.graph.saved_tensors_hooks):
             if key not in self._seen and key not in self._inputs:
                 self._seen.add(key)
                 self.bytes += t.untyped_storage().nbytes()
-        # Detached: `t` itself would close a cycle through its grad_fn (see activation.hooks).
-        return t.detach() if t.grad_fn is not None else t
+        return as_is(t)
