@@ -50,7 +50,7 @@ class TrainConfig:
     eval_interval: int = 200  # steps between eval losses (0: only at the end)
     eval_batches: int = 20  # micro-batches per rank in one eval
     save_dir: str = ""  # where checkpoints go ("": none are saved)
-    save_interval: int = 0  # steps between checkpoints (0: only at the end; needs save_dir)
+    save_interval: int = 0  # steps between checkpoints (0: only at the end; unused without save_dir)
     resume: str = ""  # checkpoint folder to resume from, any data-parallel size ("": start fresh)
     metrics_file: str = ""  # JSON lines of every logged metric, written by rank 0 ("": none)
     # engine
@@ -77,8 +77,6 @@ class TrainConfig:
         for name in ("save_dir", "resume", "metrics_file"):
             text(name, getattr(self, name))
         integer("save_interval", self.save_interval, lo=0)
-        if self.save_interval and not self.save_dir:
-            raise ConfigError("save_interval", self.save_interval, "0 while save_dir is empty (nowhere to save)")
         choice("engine", self.engine, ENGINE_NAMES)
         text("deepspeed", self.deepspeed, nonempty=True)
         choice("fsdp_mode", self.fsdp_mode, _FSDP_MODES)
@@ -196,6 +194,7 @@ def parse_config(argv: list[str], description: str | None = None) -> TrainConfig
 def checkpoint_plan(cfg: TrainConfig) -> str:
     """The log line saying where checkpoints go, or that none will be saved."""
     if not cfg.save_dir:
-        return "checkpoints: NONE will be saved (save_dir is empty; pass --save-dir DIR to keep them)"
+        unused = f", so save_interval {cfg.save_interval} is unused" if cfg.save_interval else ""
+        return f"checkpoints: NONE will be saved (save_dir is empty{unused}; pass --save-dir DIR to keep them)"
     every = f"every {cfg.save_interval} steps and " if cfg.save_interval else ""
     return f"checkpoints: saved under {cfg.save_dir} {every}at the end (step {cfg.max_steps})"

@@ -13,7 +13,7 @@ import torch
 
 from coat_ds.engines import read_ds_settings
 from coat_ds.integrations.fsdp import clip_grad_norm_
-from coat_ds.run_config import TrainConfig, field_docs
+from coat_ds.run_config import TrainConfig, checkpoint_plan, field_docs
 from helpers import run_in_repo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,7 +45,7 @@ BAD_YAML = [
     ("engine: jax", ["engine", "'jax'", "'deepspeed', 'fsdp'"]),
     ("fsdp_mode: fsdp3", ["fsdp_mode", "'fsdp3'", "'fsdp2', 'fsdp1'"]),
     ("bin_dtype: float32", ["bin_dtype", "'float32'", "'uint16'"]),
-    ("save_interval: 5", ["save_interval", "5", "save_dir is empty"]),
+    ("save_interval: -5", ["save_interval", "-5", "integer >= 0"]),
     ("save_dir: 3", ["save_dir", "3", "a string"]),
     ('deepspeed: ""', ["deepspeed", "''", "non-empty string"]),
 ]
@@ -73,7 +73,7 @@ def test_good_yaml_and_flags_still_resolve(tmp_path):
 @pytest.mark.parametrize("flags,fragments", [
     (["--max-steps", "-5"], ["--max-steps", "max_steps", "-5", "integer >= 1"]),
     (["--log-interval", "0"], ["--log-interval", "log_interval", "0", "integer >= 1"]),
-    (["--save-interval", "3"], ["--save-interval", "save_interval", "3", "save_dir"]),
+    (["--eval-interval", "-3"], ["--eval-interval", "eval_interval", "-3", "integer >= 0"]),
 ])
 def test_bad_flag_value_names_flag_key_value_and_allowed(flags, fragments):
     with pytest.raises(SystemExit) as err:
@@ -192,3 +192,5 @@ def test_run_says_when_no_checkpoint_will_be_saved():
     proc = run_in_repo([sys.executable, *common], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "checkpoints: NONE will be saved" in proc.stdout
+    assert "unused" in checkpoint_plan(TrainConfig(save_interval=5))
+    assert "NONE" not in checkpoint_plan(TrainConfig(save_dir="ck", save_interval=5))
