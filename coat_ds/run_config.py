@@ -55,7 +55,7 @@ class TrainConfig:
     metrics_file: str = ""  # JSON lines of every logged metric, written by rank 0 ("": none)
     # engine
     engine: str = "deepspeed"  # what sets the model up: "deepspeed" or "fsdp" (same as --fsdp)
-    deepspeed: str = "ds_configs/coat_zero2.json"  # DeepSpeed JSON: optimizer, batch sizes, clipping, BF16 (both engines)
+    deepspeed: str = "ds_configs/coat_zero2.json"  # DeepSpeed JSON: optimizer, batches, clipping, BF16 (both engines)
     fsdp_mode: str = "fsdp2"  # FSDP engine: "fsdp2" (fully_shard) or "fsdp1" (FullyShardedDataParallel)
     compress_activations: bool = False  # store saved activations in FP8 (coat_ds.compress_activations)
     compile: bool = False  # torch.compile each decoder block (FP8 activations then compiled into its graphs)
@@ -123,7 +123,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     docs = field_docs(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
         flag = f"--{f.name.replace('_', '-')}"
-        helptext = f"{docs[f.name]} (default: {_shown(f.default)})"
+        helptext = f"{docs.get(f.name, f.name)} (default: {_shown(f.default)})"
         names = [flag] + ([f"--{f.name}"] if "_" in f.name else [])
         for i, name in enumerate(names):
             shown = helptext if i == 0 else argparse.SUPPRESS
