@@ -1,9 +1,10 @@
-"""What train.py's FSDP engine takes from a DeepSpeed JSON, how it sizes optimizer state, and
+"""What train.py's engines take from a DeepSpeed JSON, how it sizes optimizer state, and
 how train.py and the profiler end the process group they run in.
 
-One JSON stays the single source of truth for both engines: an FSDP run reads the same
-micro-batch, gradient accumulation, clipping, BF16 switch and optimizer section that DeepSpeed
-would, so `--engine deepspeed` and `--engine fsdp` train the same thing.
+One JSON stays the single source of truth for both engines, read once by `read_ds_settings`:
+an FSDP run takes the same micro-batch, gradient accumulation, clipping, BF16 switch and
+optimizer section that DeepSpeed would, so `--engine deepspeed` and `--engine fsdp` train the
+same thing, and a value that DeepSpeed would read loosely is refused for both.
 """
 from __future__ import annotations
 

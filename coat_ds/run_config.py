@@ -181,7 +181,7 @@ def parse_config(argv: list[str], description: str | None = None) -> TrainConfig
         raise SystemExit(f"{origin.get(e.key, 'settings')}: {e}") from None
     try:
         ds = read_ds_settings(cfg.deepspeed, _world_size(), engine=cfg.engine)
-    except ValueError as e:
+    except (OSError, ValueError) as e:
         raise SystemExit(f"--deepspeed: {e}") from None
     if cfg.compile and cfg.engine == "deepspeed" and ds.zero_stage == 3:
         # ZeRO-3 swaps each parameter between its partition and the gathered tensor: the
