@@ -8,14 +8,14 @@
         --deepspeed ds_configs/coat_zero2.json --config configs/tiny.yaml
     torchrun --nproc_per_node 2 train.py --fsdp --config configs/tiny.yaml   # FSDP over gloo
 
-Settings: the defaults in `TrainConfig`, then a YAML file (`--config`), then flags
-(`--max-steps 100`); the resolved result is printed at start. The DeepSpeed JSON owns the
+Settings: the defaults in `TrainConfig` (coat_ds/run_config.py), then a YAML file
+(`--config`), then flags (`--max-steps 100`); every value, and the DeepSpeed JSON, is checked
+before anything is built, and the resolved result is printed at start. The DeepSpeed JSON owns the
 optimizer (`"type": "CoatAdamW"` or a torch AdamW baseline), batch sizes, clipping and BF16
 for both engines (the FSDP engine ignores its ZeRO section).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -33,88 +33,8 @@ import yaml
 from coat_ds import compress_activations
 from coat_ds.data import DataConfig, TokenData, batch_seed, load_data
 from coat_ds.engines import shutdown_distributed
-from coat_ds.model import PRESETS, Llama, model_config
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Every setting of a run, with its default."""
-
-    # model and data
-    preset: str = "small"  # model size, one of coat_ds.model.PRESETS
-    seq_len: int = 256  # tokens per sequence
-    data: str = "stdlib"  # "stdlib" (Python's own sources), a text file, or a pre-tokenised .bin
-    bin_dtype: str = "uint16"  # element type of a .bin data file
-    val_fraction: float = 0.05  # share of the data held out for eval loss
-    max_data_bytes: int = 32_000_000  # cap on stdlib text read at start-up
-    # schedule (peak LR, betas and weight decay live in the DeepSpeed JSON)
-    max_steps: int = 1000  # optimizer steps
-    warmup_steps: int = 100  # linear LR warm-up
-    min_lr_ratio: float = 0.1  # cosine decays the LR to this share of its peak
-    seed: int = 1337  # model init and batch sampling
-    # logging, eval, checkpoints
-    log_interval: int = 10  # steps between log lines
-    eval_interval: int = 200  # steps between eval losses (0: only at the end)
-    eval_batches: int = 20  # micro-batches per rank in one eval
-    save_dir: str = ""  # where checkpoints go ("" = none)
-    save_interval: int = 0  # steps between checkpoints (0: only at the end)
-    resume: str = ""  # checkpoint folder to resume from (any data-parallel size)
-    metrics_file: str = ""  # JSON lines of every logged metric, written by rank 0
-    # engine
-    engine: str = "deepspeed"  # which entry in ENGINES sets the model up: "deepspeed" or "fsdp" (`--fsdp`)
-    deepspeed: str = "ds_configs/coat_zero2.json"  # DeepSpeed JSON config (read by both engines)
-    fsdp_mode: str = "fsdp2"  # FSDP engine: "fsdp2" (fully_shard) or "fsdp1" (FullyShardedDataParallel)
-    compress_activations: bool = False  # store saved activations in FP8 (coat_ds.compress_activations)
-    compile: bool = False  # torch.compile each decoder block (FP8 activations then compiled into its graphs)
-
-
-def parse_config(argv: list[str]) -> TrainConfig:
-    """Defaults <- YAML (`--config`) <- flags."""
-    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", help="YAML file with TrainConfig fields")
-    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--fsdp", dest="engine", action="store_const", const="fsdp", help="short for --engine fsdp")
-    for name, f in fields.items():
-        flags = (f"--{name.replace('_', '-')}", f"--{name}")
-        if f.type == "bool":  # --compress-activations / --no-compress-activations
-            ap.add_argument(*flags, dest=name, default=None, action=argparse.BooleanOptionalAction,
-                            help=f"default: {f.default!r}")
-            continue
-        kind = f.type if f.type in ("int", "float", "str") else "str"
-        ap.add_argument(*flags, dest=name, default=None, type={"int": int, "float": float, "str": str}[kind],
-                        help=f"default: {f.default!r}")
-    args = ap.parse_args(argv)
-    values = {}
-    if args.config:
-        with open(args.config) as fh:
-            values = yaml.safe_load(fh) or {}
-        unknown = set(values) - set(fields)
-        if unknown:
-            raise SystemExit(f"{args.config}: unknown setting(s) {sorted(unknown)}; valid: {', '.join(fields)}")
-    values.update({k: v for k, v in vars(args).items() if k in fields and v is not None})
-    cfg = TrainConfig(**values)
-    if cfg.preset not in PRESETS:
-        raise SystemExit(f"unknown preset {cfg.preset!r}; choose from {', '.join(PRESETS)}")
-    if cfg.engine not in ENGINES:
-        raise SystemExit(f"unknown engine {cfg.engine!r}; choose from {', '.join(ENGINES)}")
-    if cfg.fsdp_mode not in ("fsdp2", "fsdp1"):
-        raise SystemExit(f"unknown fsdp_mode {cfg.fsdp_mode!r}; choose fsdp2 or fsdp1")
-    if cfg.compile and cfg.engine == "deepspeed" and zero_stage(cfg.deepspeed) == 3:
-        # ZeRO-3 swaps each parameter between its partition and the gathered tensor: the
-        # compiled blocks recompile and break on them (3x slower than eager on CPU).
-        raise SystemExit(f"compile: not with ZeRO stage 3 under the DeepSpeed engine ({cfg.deepspeed}); "
-                         "use --fsdp (FSDP2 shards the same way) or ZeRO stage 1/2")
-    return cfg
-
-
-def zero_stage(ds_json: str) -> int:
-    """The ZeRO stage a DeepSpeed JSON asks for (0 when unreadable: DeepSpeed reports that)."""
-    try:
-        with open(ds_json) as fh:
-            return int((json.load(fh).get("zero_optimization") or {}).get("stage", 0))
-    except (OSError, ValueError, TypeError, AttributeError):
-        return 0
+from coat_ds.model import Llama, model_config
+from coat_ds.run_config import TrainConfig, checkpoint_plan, parse_config
 
 
 def lr_factor(cfg: TrainConfig, step: int) -> float:
@@ -279,6 +199,7 @@ def train(cfg: TrainConfig) -> None:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     say = print if rank == 0 else (lambda *a, **k: None)
     say("resolved config:\n" + yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False), flush=True)
+    say(checkpoint_plan(cfg), flush=True)
 
     data = load_data(DataConfig(cfg.data, cfg.bin_dtype, cfg.val_fraction, cfg.max_data_bytes))
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
@@ -357,7 +278,7 @@ def train(cfg: TrainConfig) -> None:
 
 
 def main(argv=None) -> None:
-    cfg = parse_config(sys.argv[1:] if argv is None else argv)
+    cfg = parse_config(sys.argv[1:] if argv is None else argv, description=__doc__)
     if cfg.engine == "deepspeed":
         import deepspeed
 

@@ -1,20 +1,23 @@
-"""What train.py's FSDP engine takes from a DeepSpeed JSON, how it sizes optimizer state, and
+"""What train.py's engines take from a DeepSpeed JSON, how it sizes optimizer state, and
 how train.py and the profiler end the process group they run in.
 
-One JSON stays the single source of truth for both engines: an FSDP run reads the same
-micro-batch, gradient accumulation, clipping, BF16 switch and optimizer section that DeepSpeed
-would, so `--engine deepspeed` and `--engine fsdp` train the same thing.
+One JSON stays the single source of truth for both engines, read once by `read_ds_settings`:
+an FSDP run takes the same micro-batch, gradient accumulation, clipping, BF16 switch and
+optimizer section that DeepSpeed would, so `--engine deepspeed` and `--engine fsdp` train the
+same thing, and a value that DeepSpeed would read loosely is refused for both.
 """
 from __future__ import annotations
 
 import gc
-import json
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .checks import ConfigError, boolean, choice, integer, number
+from .config import AdamWHyperparams
+from .ds_json import batch_sizes, gradient_clipping, load_ds_config, precision, zero_stage
 from .integrations.deepspeed import prepare_config
 from .optim import CoatAdamW
 
@@ -24,74 +27,104 @@ __all__ = ["DsTrainSettings", "read_ds_settings", "optimizer_settings", "build_o
 # DeepSpeed's own switches in an Adam/AdamW `params` section that torch.optim does not take:
 # `torch_adam` picks torch's implementation (what we use anyway), `adam_w_mode` is read below.
 _DEEPSPEED_ONLY_ADAM_KEYS = ("torch_adam", "adam_w_mode")
+_OPTIMIZERS = {"CoatAdamW": CoatAdamW, "AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
+_ENGINES = ("deepspeed", "fsdp")
 
 
 @dataclass(frozen=True)
 class DsTrainSettings:
-    """The engine-independent part of a DeepSpeed JSON."""
+    """The engine-independent part of a DeepSpeed JSON, as one engine will run it."""
 
-    micro_batch: int  # sequences per rank per micro-step
-    grad_accum: int  # micro-steps per optimizer step
-    clip: float  # global gradient-norm clip (0: off)
+    engine: str  # the engine that runs it: "deepspeed" or "fsdp" (the latter takes no fp16, only our optimizers)
+    micro_batch: int  # sequences per rank per micro-step, >= 1
+    grad_accum: int  # micro-steps per optimizer step, >= 1
+    clip: float  # global gradient-norm clip, >= 0 (0: off; the JSON's values <= 0 mean off, as in DeepSpeed)
     bf16: bool  # compute in BF16 (master weights and optimizer stay FP32)
-    optimizer_type: str  # "CoatAdamW", "AdamW" or "Adam"
-    optimizer_params: dict  # keyword arguments of that optimizer, validated
+    fp16: bool  # compute in FP16 with DeepSpeed's loss scaling (DeepSpeed engine only)
+    zero_stage: int  # zero_optimization.stage, 0-3 (the FSDP engine shards fully whatever it says)
+    optimizer_type: str  # "CoatAdamW", "AdamW", "Adam", or under DeepSpeed another of its optimizers
+    optimizer_params: dict  # keyword arguments of that optimizer (ours: checked by building it once)
+
+    def __post_init__(self):
+        choice("engine", self.engine, _ENGINES)
+        integer("micro_batch", self.micro_batch, lo=1)
+        integer("grad_accum", self.grad_accum, lo=1)
+        number("clip", self.clip, lo=0.0)
+        boolean("bf16", self.bf16)
+        boolean("fp16", self.fp16)
+        integer("zero_stage", self.zero_stage, lo=0, hi=3)
+        if self.engine == "fsdp":
+            if self.fp16:
+                # FP16 needs loss scaling, which DeepSpeed does and the FSDP path does not.
+                raise ConfigError("fp16.enabled", True, "false under the FSDP engine (use bf16)")
+            choice("optimizer.type", self.optimizer_type, tuple(_OPTIMIZERS))
+        if self.optimizer_type in _OPTIMIZERS:
+            _check_optimizer_params(self.optimizer_type, self.optimizer_params)
 
 
-def _batch_sizes(ds: dict, world_size: int) -> tuple[int, int]:
-    """DeepSpeed's rule: train_batch_size = micro-batch x accumulation x world size; any two
-    of the three determine the third (accumulation defaults to 1)."""
-    micro, accum, total = (ds.get(k) for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                                               "train_batch_size"))
-    if micro is None and total is None:
-        raise ValueError("DeepSpeed config needs train_micro_batch_size_per_gpu or train_batch_size")
-    if micro is None:
-        micro = total // ((accum or 1) * world_size)
-    if accum is None:
-        accum = total // (micro * world_size) if total is not None else 1
-    if total is not None and total != micro * accum * world_size:
-        raise ValueError(f"DeepSpeed config: train_batch_size {total} != micro-batch {micro} x "
-                         f"gradient_accumulation_steps {accum} x world size {world_size}")
-    if micro < 1 or accum < 1:
-        raise ValueError(f"DeepSpeed config gives micro-batch {micro}, accumulation {accum}; both must be >= 1")
-    return int(micro), int(accum)
+def _check_optimizer_params(kind: str, params: dict) -> None:
+    """The optimizer's own checks, run now on a one-element parameter, so that a bad value
+    fails before any model or engine is built; the error names `optimizer.params`."""
+    hyper = {k: params[k] for k in ("lr", "betas", "eps", "weight_decay") if k in params}
+    try:
+        AdamWHyperparams(**hyper)
+        _OPTIMIZERS[kind]([torch.nn.Parameter(torch.zeros(1))], **params)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"optimizer.params of {kind}: {e}") from None
 
 
-def read_ds_settings(path: str, world_size: int) -> DsTrainSettings:
-    """Read the settings an FSDP run shares with DeepSpeed from the JSON at `path`."""
-    with open(path) as fh:
-        ds = json.load(fh)
-    if (ds.get("fp16") or {}).get("enabled"):
-        # FP16 needs loss scaling, which DeepSpeed does and the FSDP path does not.
-        raise ValueError(f"{path}: fp16 is not supported by the FSDP engine; use bf16")
-    micro, accum = _batch_sizes(ds, world_size)
-    kind, params = optimizer_settings(ds, path)
-    return DsTrainSettings(micro, accum, float(ds.get("gradient_clipping", 0.0)),
-                           bool((ds.get("bf16") or {}).get("enabled", False)), kind, params)
+def read_ds_settings(path, world_size: int, engine: str = "fsdp") -> DsTrainSettings:
+    """Read and check what `engine` takes from the DeepSpeed JSON at `path` (or a dict),
+    at `world_size` ranks. Errors name the file, the key, the value and what is allowed."""
+    ds = load_ds_config(path)
+    try:
+        micro, accum = batch_sizes(ds, world_size)
+        bf16, fp16 = precision(ds)
+        section = ds.get("optimizer")
+        if engine == "deepspeed" and isinstance(section, dict) and isinstance(section.get("type"), str) and \
+                section["type"].lower() not in ("coatadamw", "adamw", "adam"):
+            kind, params = section["type"], dict(section.get("params") or {})  # DeepSpeed's own: it checks them
+        else:
+            kind, params = optimizer_settings(ds, "")
+        return DsTrainSettings(engine, micro, accum, gradient_clipping(ds), bf16, fp16, zero_stage(ds), kind, params)
+    except ConfigError as e:
+        raise ConfigError(e.key, e.value, e.allowed, _where(path)) from None
+    except ValueError as e:
+        raise ValueError(f"{_where(path)}: {e}") from None
+
+
+def _where(path) -> str:
+    return "DeepSpeed config" if isinstance(path, dict) else str(path)
 
 
 def optimizer_settings(ds: dict, path: str) -> tuple[str, dict]:
     """("CoatAdamW" | "AdamW" | "Adam", keyword arguments) of the JSON's optimizer section,
-    without DeepSpeed-only switches; CoatAdamW's are validated as the DeepSpeed path does."""
-    section = ds.get("optimizer") or {}
-    kind = str(section.get("type", ""))
+    without DeepSpeed-only switches; CoatAdamW's keys are checked as the DeepSpeed path does."""
+    section = ds.get("optimizer")
+    if not isinstance(section, dict) or not section.get("type"):
+        raise ConfigError("optimizer", section, 'an object {"type": "CoatAdamW" | "AdamW" | "Adam", "params": {...}}',
+                          path)
+    kind = section["type"]
     _, coat_kwargs = prepare_config(ds)
     if coat_kwargs is not None:
         return "CoatAdamW", coat_kwargs
-    if kind.lower() not in ("adamw", "adam"):
-        raise ValueError(f"{path}: optimizer.type must be CoatAdamW, AdamW or Adam, got {kind!r}")
-    params = dict(section.get("params") or {})
+    if not isinstance(kind, str) or kind.lower() not in ("adamw", "adam"):
+        raise ConfigError("optimizer.type", kind, "CoatAdamW, AdamW or Adam", path)
+    params = section.get("params") or {}
+    if not isinstance(params, dict):
+        raise ConfigError("optimizer.params", params, "an object of keyword arguments", path)
+    params = dict(params)
     # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false.
-    kind = "AdamW" if kind.lower() == "adamw" or params.get("adam_w_mode", True) else "Adam"
+    adam_w_mode = boolean("optimizer.params.adam_w_mode", params.get("adam_w_mode", True), path)
+    kind = "AdamW" if kind.lower() == "adamw" or adam_w_mode else "Adam"
     params = {k: v for k, v in params.items() if k not in _DEEPSPEED_ONLY_ADAM_KEYS}
-    if "betas" in params:
+    if isinstance(params.get("betas"), list):
         params["betas"] = tuple(params["betas"])
     return kind, params
 
 
 def build_optimizer(settings: DsTrainSettings, params) -> torch.optim.Optimizer:
-    cls = {"CoatAdamW": CoatAdamW, "AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[settings.optimizer_type]
-    return cls(params, **settings.optimizer_params)
+    return _OPTIMIZERS[settings.optimizer_type](params, **settings.optimizer_params)
 
 
 def optimizer_state_bytes(optim: torch.optim.Optimizer) -> int:

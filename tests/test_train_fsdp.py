@@ -129,7 +129,8 @@ def test_ds_json_settings_for_the_fsdp_engine(tmp_path):
 
     adam = {"type": "AdamW", "params": {"lr": 1e-3}}
     s = read_ds_settings(write({"train_batch_size": 32, "gradient_accumulation_steps": 2, "optimizer": adam}), 4)
-    assert (s.micro_batch, s.grad_accum, s.clip, s.bf16) == (4, 2, 0.0, False)
+    # No gradient_clipping key: DeepSpeed's default, 1.0, on both engines.
+    assert (s.micro_batch, s.grad_accum, s.clip, s.bf16) == (4, 2, 1.0, False)
     s = read_ds_settings(write({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "optimizer": adam}), 2)
     assert s.grad_accum == 4
     with pytest.raises(ValueError, match="train_batch_size"):

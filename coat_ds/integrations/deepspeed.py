@@ -17,13 +17,12 @@ from __future__ import annotations
 import copy
 import difflib
 import inspect
-import json
-import os
 from dataclasses import dataclass
 
 import torch
 
 from ..config import OptimStateConfig
+from ..ds_json import load_ds_config
 from ..optim import CoatAdamW
 from ..optim import state as st
 
@@ -44,17 +43,6 @@ OPTIMIZER_TYPE = "CoatAdamW"
 OPTIMIZER_PARAMS = tuple(n for n in inspect.signature(CoatAdamW.__init__).parameters if n not in ("self", "params"))
 
 
-def _load_config(config) -> dict:
-    if isinstance(config, dict):
-        return copy.deepcopy(config)
-    if isinstance(config, (str, os.PathLike)):
-        if not os.path.isfile(config):
-            raise ValueError(f"DeepSpeed config file not found: {config}")
-        with open(config) as f:
-            return json.load(f)
-    raise TypeError(f"DeepSpeed config must be a dict or a JSON file path, got {type(config).__name__}")
-
-
 def _check_params(params: dict) -> dict:
     for key in params:
         if key not in OPTIMIZER_PARAMS:
@@ -63,7 +51,7 @@ def _check_params(params: dict) -> dict:
             raise ValueError(f"DeepSpeed config: optimizer.params has unknown key {key!r} for {OPTIMIZER_TYPE}{hint}; "
                              f"valid keys: {', '.join(OPTIMIZER_PARAMS)}")
     out = dict(params)
-    if "betas" in out:
+    if isinstance(out.get("betas"), list):
         out["betas"] = tuple(out["betas"])
     return out
 
@@ -75,7 +63,7 @@ def prepare_config(config) -> tuple[dict, dict | None]:
     Raises ValueError, naming the key, for an unknown optimizer parameter and for settings
     whose checkpoint code would corrupt FP8 state (`elastic_checkpoint`, universal load) or
     that cannot host it (NVMe optimizer offload)."""
-    ds = _load_config(config)
+    ds = load_ds_config(config)
     section = ds.get("optimizer")
     if not section or str(section.get("type", "")).lower() != OPTIMIZER_TYPE.lower():
         return ds, None

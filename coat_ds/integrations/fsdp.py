@@ -130,6 +130,9 @@ def setup_fsdp(model: nn.Module, config: FsdpConfig | None = None, **overrides) 
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> float:
     """Clip the gradients of a sharded model to a global norm of `max_norm`; returns the
     norm before clipping (the same on every rank)."""
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not 0 < max_norm < float("inf"):
+        # torch scales by max_norm / norm unchecked: a negative value would flip every gradient.
+        raise ValueError(f"max_norm must be a finite number > 0 (leave clipping out to turn it off), got {max_norm!r}")
     if is_fsdp1(model):
         return float(model.clip_grad_norm_(max_norm))
     norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)

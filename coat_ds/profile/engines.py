@@ -6,7 +6,6 @@ are the engine's actual weights, gradients and optimizer state on this rank (loc
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +13,7 @@ from torch import nn
 
 from ..activation import compress_activations
 from ..config import ActivationConfig
+from ..ds_json import load_ds_config
 from ..engines import optimizer_settings
 from ..integrations.deepspeed import local_partitions
 from ..model import Llama, ModelConfig
@@ -38,8 +38,7 @@ class Side:
 
 
 def load_side(name: str, path: str) -> Side:
-    with open(path) as f:
-        kind, params = optimizer_settings(json.load(f), path)
+    kind, params = optimizer_settings(load_ds_config(path), path)
     if kind == "CoatAdamW":
         return Side(name, path, params, {})
     # The baseline picks its AdamW implementation by device (fused on CUDA).

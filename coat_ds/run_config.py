@@ -1,0 +1,200 @@
+"""train.py's settings: the `TrainConfig` dataclass, its command line and its YAML file.
+
+Defaults, then a YAML file (`--config`), then flags. Every value is type- and range-checked,
+and the DeepSpeed JSON that both engines read is checked too (`read_ds_settings`), before
+any model, process group or engine exists; an error names where the value came from (the
+YAML file or the flag), the key, the value and what is allowed.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import io
+import os
+import tokenize
+from dataclasses import dataclass
+
+import yaml
+
+from .checks import ConfigError, boolean, choice, integer, number, text
+from .engines import read_ds_settings
+from .model import PRESETS
+
+__all__ = ["TrainConfig", "ENGINE_NAMES", "parse_config", "build_parser", "checkpoint_plan", "field_docs"]
+
+ENGINE_NAMES = ("deepspeed", "fsdp")
+_FSDP_MODES = ("fsdp2", "fsdp1")
+_BIN_DTYPES = ("uint8", "uint16", "uint32", "int16", "int32", "int64")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Every setting of a run, with its default."""
+
+    # model and data
+    preset: str = "small"  # model size, one of coat_ds.model.PRESETS
+    seq_len: int = 256  # tokens per sequence
+    data: str = "stdlib"  # "stdlib" (Python's own sources), a text file, or a pre-tokenised .bin
+    bin_dtype: str = "uint16"  # element type of a .bin data file
+    val_fraction: float = 0.05  # share of the data held out for eval loss, in (0, 1)
+    max_data_bytes: int = 32_000_000  # cap on stdlib text read at start-up
+    # schedule (peak LR, betas and weight decay live in the DeepSpeed JSON)
+    max_steps: int = 1000  # optimizer steps to train to
+    warmup_steps: int = 100  # steps of linear LR warm-up
+    min_lr_ratio: float = 0.1  # cosine decays the LR to this share of its peak, in [0, 1]
+    seed: int = 1337  # model init and batch sampling
+    # logging, eval, checkpoints
+    log_interval: int = 10  # steps between log lines
+    eval_interval: int = 200  # steps between eval losses (0: only at the end)
+    eval_batches: int = 20  # micro-batches per rank in one eval
+    save_dir: str = ""  # where checkpoints go ("": none are saved)
+    save_interval: int = 0  # steps between checkpoints (0: only at the end; unused without save_dir)
+    resume: str = ""  # checkpoint folder to resume from, any data-parallel size ("": start fresh)
+    metrics_file: str = ""  # JSON lines of every logged metric, written by rank 0 ("": none)
+    # engine
+    engine: str = "deepspeed"  # what sets the model up: "deepspeed" or "fsdp" (same as --fsdp)
+    deepspeed: str = "ds_configs/coat_zero2.json"  # DeepSpeed JSON: optimizer, batches, clipping, BF16 (both engines)
+    fsdp_mode: str = "fsdp2"  # FSDP engine: "fsdp2" (fully_shard) or "fsdp1" (FullyShardedDataParallel)
+    compress_activations: bool = False  # store saved activations in FP8 (coat_ds.compress_activations)
+    compile: bool = False  # torch.compile each decoder block (FP8 activations then compiled into its graphs)
+
+    def __post_init__(self):
+        choice("preset", self.preset, tuple(PRESETS))
+        integer("seq_len", self.seq_len, lo=1)
+        text("data", self.data, nonempty=True)
+        choice("bin_dtype", self.bin_dtype, _BIN_DTYPES)
+        number("val_fraction", self.val_fraction, lo=0.0, hi=1.0, lo_open=True, hi_open=True)
+        integer("max_data_bytes", self.max_data_bytes, lo=1)
+        integer("max_steps", self.max_steps, lo=1)
+        integer("warmup_steps", self.warmup_steps, lo=0)
+        number("min_lr_ratio", self.min_lr_ratio, lo=0.0, hi=1.0)
+        integer("seed", self.seed, lo=0, hi=2**63 - 1)
+        integer("log_interval", self.log_interval, lo=1)
+        integer("eval_interval", self.eval_interval, lo=0)
+        integer("eval_batches", self.eval_batches, lo=1)
+        for name in ("save_dir", "resume", "metrics_file"):
+            text(name, getattr(self, name))
+        integer("save_interval", self.save_interval, lo=0)
+        choice("engine", self.engine, ENGINE_NAMES)
+        text("deepspeed", self.deepspeed, nonempty=True)
+        choice("fsdp_mode", self.fsdp_mode, _FSDP_MODES)
+        boolean("compress_activations", self.compress_activations)
+        boolean("compile", self.compile)
+
+
+_CHOICES = {"preset": tuple(PRESETS), "bin_dtype": _BIN_DTYPES, "engine": ENGINE_NAMES, "fsdp_mode": _FSDP_MODES}
+
+
+def field_docs(cls) -> dict[str, str]:
+    """{field: its trailing `# comment`} from the class source: the one place fields are documented."""
+    source = inspect.getsource(cls)
+    comments = {tok.start[0]: tok.string.lstrip("# ").strip()
+                for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
+    body = ast.parse(source).body[0].body
+    return {node.target.id: comments.get(node.end_lineno, "") for node in body
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
+
+
+def _shown(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return '""' if value == "" else str(value)
+
+
+def _flag_type(kind: type):
+    def parse(s: str):
+        try:
+            return kind(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"got {s!r}; allowed: {'an integer' if kind is int else 'a number'}")
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def build_parser(description: str | None = None) -> argparse.ArgumentParser:
+    """One flag per `TrainConfig` field (`--max-steps`; `--max_steps` is accepted, unlisted)."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", metavar="YAML", help="YAML file of TrainConfig fields (the flag names with _); "
+                    "flags override it")
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--fsdp", dest="engine", action="store_const", const="fsdp", help="same as --engine fsdp")
+    docs = field_docs(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        flag = f"--{f.name.replace('_', '-')}"
+        helptext = f"{docs.get(f.name, f.name)} (default: {_shown(f.default)})"
+        names = [flag] + ([f"--{f.name}"] if "_" in f.name else [])
+        for i, name in enumerate(names):
+            shown = helptext if i == 0 else argparse.SUPPRESS
+            if f.type == "bool":
+                ap.add_argument(name, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=shown)
+                continue
+            kind = {"int": int, "float": float}.get(f.type, str)
+            metavar = "{" + ",".join(_CHOICES[f.name]) + "}" if f.name in _CHOICES else kind.__name__.upper()
+            ap.add_argument(name, dest=f.name, default=None, type=_flag_type(kind) if kind is not str else str,
+                            metavar=metavar, help=shown)
+    return ap
+
+
+def _read_yaml(path: str) -> dict:
+    try:
+        with open(path) as fh:
+            values = yaml.safe_load(fh)
+    except OSError as e:
+        raise SystemExit(f"--config {path}: cannot read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise SystemExit(f"--config {path}: not valid YAML: {e}") from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise SystemExit(f"--config {path}: expected a mapping of settings, got {type(values).__name__}")
+    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    unknown = [k for k in values if k not in names]
+    if unknown:
+        raise SystemExit(f"{path}: unknown setting(s) {sorted(map(str, unknown))}; valid: {', '.join(names)}")
+    return values
+
+
+def _world_size() -> int:
+    """The launcher's world size (torchrun and deepspeed set WORLD_SIZE; alone: 1)."""
+    raw = os.environ.get("WORLD_SIZE", "1")
+    try:
+        return integer("WORLD_SIZE", int(raw), lo=1)
+    except ValueError:
+        raise SystemExit(f"environment WORLD_SIZE: got {raw!r}; allowed: an integer >= 1") from None
+
+
+def parse_config(argv: list[str], description: str | None = None) -> TrainConfig:
+    """Defaults <- YAML (`--config`) <- flags, then every value and the DeepSpeed JSON checked.
+    Exits (SystemExit with the message) on the first bad value."""
+    args = build_parser(description).parse_args(argv)
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    values = _read_yaml(args.config) if args.config else {}
+    origin = {k: args.config for k in values}
+    for k, v in vars(args).items():
+        if k in names and v is not None:
+            values[k], origin[k] = v, f"--{k.replace('_', '-')}"
+    try:
+        cfg = TrainConfig(**values)
+    except ConfigError as e:
+        raise SystemExit(f"{origin.get(e.key, 'settings')}: {e}") from None
+    try:
+        ds = read_ds_settings(cfg.deepspeed, _world_size(), engine=cfg.engine)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--deepspeed: {e}") from None
+    if cfg.compile and cfg.engine == "deepspeed" and ds.zero_stage == 3:
+        # ZeRO-3 swaps each parameter between its partition and the gathered tensor: the
+        # compiled blocks recompile and break on them (3x slower than eager on CPU).
+        raise SystemExit(f"compile: not with ZeRO stage 3 under the DeepSpeed engine ({cfg.deepspeed}); "
+                         "use --fsdp (FSDP2 shards the same way) or ZeRO stage 1/2")
+    return cfg
+
+
+def checkpoint_plan(cfg: TrainConfig) -> str:
+    """The log line saying where checkpoints go, or that none will be saved."""
+    if not cfg.save_dir:
+        unused = f", so save_interval {cfg.save_interval} is unused" if cfg.save_interval else ""
+        return f"checkpoints: NONE will be saved (save_dir is empty{unused}; pass --save-dir DIR to keep them)"
+    every = f"every {cfg.save_interval} steps and " if cfg.save_interval else ""
+    return f"checkpoints: saved under {cfg.save_dir} {every}at the end (step {cfg.max_steps})"
