@@ -116,6 +116,28 @@ def test_python_blocks_run(path):
                     f"{proc.stderr[-6000:]}", pytrace=False)
 
 
+def github_anchor(heading: str) -> str:
+    """The fragment GitHub gives a Markdown heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_links_to_doc_sections_resolve():
+    """`[..](docs/x.md#section)` links (the README's benchmark rows) name existing headings."""
+    missing = []
+    for path in doc_files():
+        text = open(os.path.join(ROOT, path)).read()
+        for target, anchor in re.findall(r"\]\(([^)#\s]*\.md)?#([^)\s]+)\)", text):
+            file = os.path.normpath(os.path.join(os.path.dirname(path), target)) if target else path
+            if not os.path.isfile(os.path.join(ROOT, file)):
+                missing.append(f"{path}: link to missing file {file}")
+                continue
+            headings = re.findall(r"^#+\s+(.*)$", open(os.path.join(ROOT, file)).read(), flags=re.M)
+            if anchor not in {github_anchor(h) for h in headings}:
+                missing.append(f"{path}: no heading for #{anchor} in {file}")
+    assert not missing, "\n".join(missing)
+
+
 # -- the harness itself ------------------------------------------------------------------------
 
 def test_parse_blocks_marks_and_lines():
