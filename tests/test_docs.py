@@ -141,7 +141,8 @@ def test_links_to_doc_sections_resolve():
 # -- the harness itself ------------------------------------------------------------------------
 
 def test_parse_blocks_marks_and_lines():
-    text = "# t\n\n```python\nx = 1\n```\n<!-- norun: needs a GPU -->\n```python\ny = 2\n```\n- item\n  ```bash\n  ls\n  ```\n"
+    text = ("# t\n\n```python\nx = 1\n```\n<!-- norun: needs a GPU -->\n```python\ny = 2\n```\n"
+            "- item\n  ```bash\n  ls\n  ```\n")
     blocks = parse_blocks("t.md", text)
     assert [(b.line, b.lang, b.norun) for b in blocks] == [(3, "python", None), (7, "python", "needs a GPU"),
                                                           (11, "bash", None)]
@@ -159,7 +160,8 @@ def test_parse_blocks_rejects_bad_markup(text, message):
 
 
 def test_failure_names_file_and_fence_line():
-    blocks = [Block("docs/x.md", 3, "python", "a = 1\n", None), Block("docs/x.md", 10, "python", "b = a\nc = nope\n", None)]
+    blocks = [Block("docs/x.md", 3, "python", "a = 1\n", None),
+              Block("docs/x.md", 10, "python", "b = a\nc = nope\n", None)]
     proc = run_blocks(blocks, timeout=60)
     assert proc.returncode == 1
     assert "docs/x.md: the ```python block at line 10 failed" in proc.stderr

@@ -121,8 +121,9 @@ def _trainer_scenario(out: str, stage: int, route: str) -> dict:
     full = _trainer(run, stage, route)
     full.train()
     engine = full.model_wrapped
-    result = {"coat": isinstance(coat_optimizer(engine), CoatAdamW), "lr": coat_optimizer(engine).defaults["lr"],
-              "betas": list(coat_optimizer(engine).defaults["betas"]), "losses": _losses(full), "digest": _digest(engine)}
+    coat = coat_optimizer(engine)
+    result = {"coat": isinstance(coat, CoatAdamW), "lr": coat.defaults["lr"], "betas": list(coat.defaults["betas"]),
+              "losses": _losses(full), "digest": _digest(engine)}
     resumed = _trainer(run + "_resumed", stage, route)
     steps_run = _steps_run_callback()
     resumed.add_callback(steps_run)
@@ -139,7 +140,8 @@ def _silent_replacement(out: str) -> dict:
     from coat_ds.integrations.deepspeed import coat_optimizer
     from coat_ds.optim.watch import REPLACED_MESSAGE
 
-    trainer = _trainer(os.path.join(out, "silent"), 2, "none", optimizers=(coat_ds.CoatAdamW(_model().parameters()), None))
+    dropped = coat_ds.CoatAdamW(_model().parameters())
+    trainer = _trainer(os.path.join(out, "silent"), 2, "none", optimizers=(dropped, None))
     trainer.args.max_steps = 1
     trainer.args.save_strategy = "no"
     with warnings.catch_warnings(record=True) as caught:
@@ -239,7 +241,8 @@ def ranks(tmp_path_factory):
            __file__, str(out)]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
     if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                             f"{proc.stderr[-8000:]}")
     return [json.load(open(out / f"hf_rank{r}.json")) for r in range(2)]
 
 

@@ -21,7 +21,7 @@ class ProfileOptions:
 
     model: str  # preset name from coat_ds.model.PRESETS, or a YAML file with `preset:` (and optional `seq_len:`)
     engine: str = "none"  # "none" (one process, plain PyTorch), "deepspeed" or "fsdp"
-    config: str = "ds_configs/coat_zero2.json"  # DeepSpeed JSON of the COAT side (every engine uses its optimizer); ds_configs/<name> also found outside the source tree
+    config: str = "ds_configs/coat_zero2.json"  # COAT side's DeepSpeed JSON (its optimizer on every engine)
     baseline: str = "ds_configs/bf16_zero2.json"  # DeepSpeed JSON of the BF16 + torch AdamW side; found as `config` is
     budget_gb: float | None = None  # per-rank budget, GB (1e9 bytes); None: the GPU's memory (required on CPU)
     seq_len: int | None = None  # tokens per sequence; None: the YAML's seq_len, else the preset's max_seq_len
@@ -68,7 +68,8 @@ def parse_options(argv: list[str] | None = None) -> ProfileOptions:
     p.add_argument("--engine", default="none", choices=ENGINES)
     p.add_argument("--config", default=ProfileOptions.config,
                    help="DeepSpeed JSON of the COAT side (ds_configs/<name>.json: the shipped one from any directory)")
-    p.add_argument("--baseline", default=ProfileOptions.baseline, help="DeepSpeed JSON of the baseline side (as --config)")
+    p.add_argument("--baseline", default=ProfileOptions.baseline,
+                   help="DeepSpeed JSON of the baseline side (found as --config is)")
     p.add_argument("--budget-gb", type=float, default=None, help="memory budget per rank (GB); required on CPU")
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--out", default=ProfileOptions.out)
