@@ -14,7 +14,28 @@ def deepspeed_initialize(*args, **kwargs):
     return initialize(*args, **kwargs)
 
 
+def register_deepspeed() -> None:
+    """`coat_ds.integrations.deepspeed_registry.register_deepspeed`: lets DeepSpeed's own
+    `deepspeed.initialize` (and so HF Trainer and Accelerate) build CoatAdamW from
+    `"type": "CoatAdamW"` by adding `torch.optim.CoatAdamW` and an entry in DeepSpeed's
+    `ZERO_SUPPORTED_OPTIMIZERS`. Opt-in; idempotent."""
+    from .integrations.deepspeed_registry import register_deepspeed as register
+
+    register()
+
+
+def __getattr__(name: str):
+    # `coat_ds.deepspeed` without importing it first, still without loading DeepSpeed for
+    # FSDP-only users.
+    if name == "deepspeed":
+        import importlib
+
+        return importlib.import_module(".deepspeed", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = ["CoatAdamW", "OptimStateConfig", "AdamWHyperparams",
            "compress_activations", "ActivationConfig", "ActivationStats", "activation_stats",
-           "fsdp", "FsdpConfig", "setup_fsdp", "deepspeed_initialize"]
+           "fsdp", "FsdpConfig", "setup_fsdp", "deepspeed_initialize",
+           "register_deepspeed"]
 __version__ = "0.1.0"

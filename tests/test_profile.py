@@ -204,7 +204,7 @@ def test_both_sides_in_one_process_agree_with_isolated_runs(tmp_path, plain):
     assert (plain[1] / "baseline" / "side.json").is_file() and (plain[1] / "coat" / "side.json").is_file()
 
 
-def test_child_arguments_reproduce_the_options(tmp_path):
+def test_child_arguments_reproduce_the_options(tmp_path, capsys):
     from dataclasses import replace
 
     from coat_ds.profile.options import child_argv
@@ -214,8 +214,9 @@ def test_child_arguments_reproduce_the_options(tmp_path):
                           "--out", str(tmp_path)])
     child = parse_options(child_argv(opts, "coat", str(tmp_path / "coat")))
     assert child == replace(opts, side="coat", out=str(tmp_path / "coat"), nproc=1)
-    with pytest.raises(ValueError, match="--nproc 2 needs --engine"):
-        parse_options([*ARGS, "--nproc", "2"])
+    with pytest.raises(SystemExit):  # a usage error, exit status 2, naming the option
+        parse_options([*ARGS, "--budget-gb", "1", "--nproc", "2"])
+    assert "--nproc 2 needs --engine" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse_options([*ARGS, "--side", "neither"])
 

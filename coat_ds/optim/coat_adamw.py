@@ -11,6 +11,7 @@ from ..config import AdamWHyperparams, OptimStateConfig
 from ..kernels import AdamWHyper, AdamWSlot, get_ops
 from . import sharded
 from . import state as st
+from . import watch
 
 __all__ = ["CoatAdamW"]
 
@@ -56,6 +57,7 @@ class CoatAdamW(torch.optim.Optimizer):
         self._plan_cache: dict = {}
         self._entries: dict = {}
         self._skipped: dict[torch.device, torch.Tensor] = {}
+        watch.note_built()
 
     @staticmethod
     def _validate(group: dict) -> tuple[AdamWHyperparams, OptimStateConfig]:

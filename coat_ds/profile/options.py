@@ -5,6 +5,10 @@ import argparse
 import os
 from dataclasses import dataclass
 
+import torch
+
+from ..shipped_configs import resolve_ds_config, shipped_dirs
+
 __all__ = ["ProfileOptions", "parse_options", "child_argv", "ENGINES", "SIDES"]
 
 ENGINES = ("none", "deepspeed", "fsdp")
@@ -17,8 +21,8 @@ class ProfileOptions:
 
     model: str  # preset name from coat_ds.model.PRESETS, or a YAML file with `preset:` (and optional `seq_len:`)
     engine: str = "none"  # "none" (one process, plain PyTorch), "deepspeed" or "fsdp"
-    config: str = "ds_configs/coat_zero2.json"  # DeepSpeed JSON of the COAT side (every engine uses its optimizer)
-    baseline: str = "ds_configs/bf16_zero2.json"  # DeepSpeed JSON of the BF16 + torch AdamW side
+    config: str = "ds_configs/coat_zero2.json"  # COAT side's DeepSpeed JSON (its optimizer on every engine)
+    baseline: str = "ds_configs/bf16_zero2.json"  # DeepSpeed JSON of the BF16 + torch AdamW side; found as `config` is
     budget_gb: float | None = None  # per-rank budget, GB (1e9 bytes); None: the GPU's memory (required on CPU)
     seq_len: int | None = None  # tokens per sequence; None: the YAML's seq_len, else the preset's max_seq_len
     out: str = "profile_out"  # directory for profile.json and profile.png
@@ -34,8 +38,11 @@ class ProfileOptions:
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         for name in ("config", "baseline"):
-            if not os.path.isfile(getattr(self, name)):
-                raise ValueError(f"--{name}: no such file {getattr(self, name)!r}")
+            path = resolve_ds_config(getattr(self, name))
+            if not os.path.isfile(path):
+                raise ValueError(f"--{name}: no such file {path!r} (relative paths start at {os.getcwd()!r}; "
+                                 f"ds_configs/<name>.json is also looked up in {', '.join(shipped_dirs())})")
+            object.__setattr__(self, name, path)
         if self.budget_gb is not None and not self.budget_gb > 0:
             raise ValueError(f"--budget-gb must be > 0, got {self.budget_gb!r}")
         if self.seq_len is not None and self.seq_len <= 0:
@@ -59,8 +66,10 @@ def parse_options(argv: list[str] | None = None) -> ProfileOptions:
                                             "and the largest micro-batch each fits.")
     p.add_argument("--model", required=True, help="preset name (tiny, small, 1b, 7b, ...) or YAML config")
     p.add_argument("--engine", default="none", choices=ENGINES)
-    p.add_argument("--config", default=ProfileOptions.config, help="DeepSpeed JSON of the COAT side")
-    p.add_argument("--baseline", default=ProfileOptions.baseline, help="DeepSpeed JSON of the baseline side")
+    p.add_argument("--config", default=ProfileOptions.config,
+                   help="DeepSpeed JSON of the COAT side (ds_configs/<name>.json: the shipped one from any directory)")
+    p.add_argument("--baseline", default=ProfileOptions.baseline,
+                   help="DeepSpeed JSON of the baseline side (found as --config is)")
     p.add_argument("--budget-gb", type=float, default=None, help="memory budget per rank (GB); required on CPU")
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--out", default=ProfileOptions.out)
@@ -77,10 +86,17 @@ def parse_options(argv: list[str] | None = None) -> ProfileOptions:
     p.add_argument("--nproc", type=int, default=1, help="ranks per side, started here through torchrun")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     a = p.parse_args(argv)
-    return ProfileOptions(model=a.model, engine=a.engine, config=a.config, baseline=a.baseline, budget_gb=a.budget_gb,
-                          seq_len=a.seq_len, out=a.out, measure_batches=tuple(a.measure_batches),
-                          max_batch=a.max_batch, throughput_steps=a.throughput_steps, seed=a.seed,
-                          side=a.side, isolate=not a.in_process, nproc=a.nproc)
+    if a.budget_gb is None and not torch.cuda.is_available():
+        p.error("--budget-gb is required without a CUDA GPU: on a CPU the search runs against a budget "
+                "(e.g. --budget-gb 0.1)")
+    try:
+        return ProfileOptions(model=a.model, engine=a.engine, config=a.config, baseline=a.baseline,
+                              budget_gb=a.budget_gb, seq_len=a.seq_len, out=a.out,
+                              measure_batches=tuple(a.measure_batches), max_batch=a.max_batch,
+                              throughput_steps=a.throughput_steps, seed=a.seed, side=a.side,
+                              isolate=not a.in_process, nproc=a.nproc)
+    except ValueError as e:  # a bad value is a usage error: argparse's message and exit status 2
+        p.error(str(e))
 
 
 def child_argv(opts: ProfileOptions, side: str, out: str) -> list[str]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 import os
 
-__all__ = ["markdown_table", "write_json", "write_chart", "CHART_SIZE_PX", "COMPONENTS"]
+__all__ = ["markdown_table", "write_json", "write_markdown", "chart_stacks", "write_chart", "CHART_SIZE_PX",
+           "COMPONENTS"]
 
 GB = 1e9  # decimal gigabytes, as --budget-gb
 CHART_SIZE_PX = (900, 560)  # width, height of the PNG
@@ -58,24 +59,35 @@ def write_json(result: dict, path: str) -> None:
         json.dump(result, f, indent=2)
 
 
+def write_markdown(table: str, path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        f.write(table + "\n")
+
+
+def chart_stacks(result: dict) -> list[tuple[str, list[float]]]:
+    """The chart's stacked segments, (label, [baseline GB, coat GB]), rank 0: each bar is its
+    side at its own max micro-batch, the batch its label names."""
+    names = ("baseline", "coat")
+    stacks = [(label, [result["sides"][n]["ranks"][0][key] / GB for n in names]) for label, key in COMPONENTS]
+    stacks.append(("activations @ the side's max micro-batch",
+                   [result["sides"][n]["activations_at_max_bytes"] / GB for n in names]))
+    return stacks
+
+
 def write_chart(result: dict, path: str) -> None:
-    """Stacked bars (rank 0): weights, gradients, optimizer states, engine buffers and activations of each side
-    at the same micro-batch (the baseline's largest, so the two bars compare like for like),
-    each bar labelled with that side's own max micro-batch."""
+    """Stacked bars (rank 0): weights, gradients, optimizer states, engine buffers and
+    activations of each side at its own max micro-batch, each bar labelled with that batch."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on training nodes
     import matplotlib.pyplot as plt
 
-    ref = max(1, result["sides"]["baseline"]["max_micro_batch"])
     names = ("baseline", "coat")
     fig, ax = plt.subplots(figsize=(CHART_SIZE_PX[0] / _DPI, CHART_SIZE_PX[1] / _DPI), dpi=_DPI)
     colors = ("#4C72B0", "#55A868", "#C44E52", "#AAAAAA", "#8172B2")
     bottoms = [0.0, 0.0]
-    stacks = [(label, [result["sides"][n]["ranks"][0][key] / GB for n in names]) for label, key in COMPONENTS]
-    stacks.append((f"activations @ micro-batch {ref}",
-                   [result["sides"][n]["activations_at_ref_bytes"] / GB for n in names]))
-    for (label, values), color in zip(stacks, colors):
+    for (label, values), color in zip(chart_stacks(result), colors):
         ax.bar(names, values, bottom=bottoms, label=label, color=color, width=0.55)
         bottoms = [b + v for b, v in zip(bottoms, values)]
     for i, n in enumerate(names):

@@ -16,7 +16,7 @@ from ..model import PRESETS, model_config
 from .engines import build_trainee, load_side
 from .measure import SideMeasurement, measure_side, train_step, unless_oom
 from .options import ProfileOptions, child_argv
-from .report import markdown_table, write_chart, write_json
+from .report import markdown_table, write_chart, write_json, write_markdown
 from .search import CudaTrial, Trial, budget_fits, search_max_batch
 
 __all__ = ["profile", "resolve_model", "combine"]
@@ -211,12 +211,13 @@ def _measure_and_search(opts: ProfileOptions, side, mcfg, seq_len: int, device: 
 
 def combine(meta: dict, sides: dict) -> dict:
     """The whole result from both sides' results: ratios of rank 0's figures, and each side's
-    activations at the baseline's max micro-batch (the chart's common batch)."""
+    activations at the baseline's max micro-batch and at its own (what the chart draws)."""
     out = {**meta, "sides": sides}
     m = {key: SideMeasurement.from_dict(side["ranks"][0]) for key, side in sides.items()}
     ref = max(1, sides["baseline"]["max_micro_batch"])
     for key, side in sides.items():
         side["activations_at_ref_bytes"] = m[key].activations_at(ref)
+        side["activations_at_max_bytes"] = m[key].activations_at(max(1, side["max_micro_batch"]))
     b, c = m["baseline"], m["coat"]
     bb, cb = sides["baseline"]["max_micro_batch"], sides["coat"]["max_micro_batch"]
     out["ratios"] = {"optimizer_states": c.optimizer_state_bytes / b.optimizer_state_bytes,
@@ -231,8 +232,9 @@ def _report(out: dict, directory: str) -> None:
     print("\n" + table, flush=True)
     out["markdown"] = table
     write_json(out, os.path.join(directory, "profile.json"))
+    write_markdown(table, os.path.join(directory, "profile.md"))
     write_chart(out, os.path.join(directory, "profile.png"))
-    print(f"wrote {os.path.join(directory, 'profile.json')} and {os.path.join(directory, 'profile.png')}", flush=True)
+    print(f"wrote {', '.join(os.path.join(directory, f'profile.{x}') for x in ('json', 'md', 'png'))}", flush=True)
 
 
 def _side_command(opts: ProfileOptions, side: str, out: str) -> list[str]:

@@ -1,0 +1,52 @@
+"""`register_deepspeed()`: let DeepSpeed's own `deepspeed.initialize` build CoatAdamW from
+`"optimizer": {"type": "CoatAdamW", ...}`, so that Hugging Face Trainer and Accelerate, which
+call `deepspeed.initialize` themselves, accept the same JSON as `coat_ds.deepspeed.initialize`.
+
+How DeepSpeed 0.19.8 resolves `optimizer.type` (deepspeed/runtime/engine.py):
+- `_do_sanity_check` asserts `_is_supported_optimizer(name)`: one of DeepSpeed's own names or
+  `getattr(torch.optim, name, None) is not None`;
+- `_configure_basic_optimizer` builds every name that is not DeepSpeed's own as
+  `getattr(torch.optim, name)(model_parameters, **optimizer.params)`;
+- under ZeRO, `_do_optimizer_sanity_check` asserts `zero_allow_untested_optimizer` unless
+  `type(optimizer)` is in `deepspeed.runtime.zero.utils.ZERO_SUPPORTED_OPTIMIZERS`.
+Transformers 5.23 (integrations/deepspeed.py) fills `"auto"` in `optimizer.params.lr`, `betas`,
+`eps` and `weight_decay` from `TrainingArguments` and, when the JSON has an optimizer section,
+hands DeepSpeed a `DummyOptim` so that DeepSpeed builds the optimizer from the JSON; Accelerate
+does the same for a `DummyOptim` of the user's.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..optim import CoatAdamW
+
+__all__ = ["register_deepspeed", "is_registered"]
+
+NAME = "CoatAdamW"
+
+
+def register_deepspeed() -> None:
+    """Add exactly two things, both idempotent: the attribute `torch.optim.CoatAdamW` (the class
+    `coat_ds.CoatAdamW` itself, which DeepSpeed looks up by name and calls with the JSON's
+    `optimizer.params`), and `coat_ds.CoatAdamW` to DeepSpeed's list
+    `deepspeed.runtime.zero.utils.ZERO_SUPPORTED_OPTIMIZERS` (so ZeRO needs no
+    `zero_allow_untested_optimizer`). Nothing else in torch or DeepSpeed changes.
+
+    Raises RuntimeError if `torch.optim.CoatAdamW` already names something else."""
+    from deepspeed.runtime.zero import utils as zero_utils
+
+    existing = getattr(torch.optim, NAME, None)
+    if existing is not None and existing is not CoatAdamW:
+        raise RuntimeError(f"torch.optim.{NAME} is already set to {existing!r}; not replacing it")
+    setattr(torch.optim, NAME, CoatAdamW)
+    if CoatAdamW not in zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
+        zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(CoatAdamW)
+
+
+def is_registered() -> bool:
+    """Whether `register_deepspeed()` has run in this process (both additions present)."""
+    import sys
+
+    zero_utils = sys.modules.get("deepspeed.runtime.zero.utils")
+    return (getattr(torch.optim, NAME, None) is CoatAdamW and zero_utils is not None
+            and CoatAdamW in zero_utils.ZERO_SUPPORTED_OPTIMIZERS)

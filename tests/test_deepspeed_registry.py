@@ -1,0 +1,50 @@
+"""register_deepspeed() and the `coat_ds.deepspeed` attribute, in-process (the 2-rank runs
+through DeepSpeed, Trainer and Accelerate are in test_hf.py)."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import coat_ds
+
+
+@pytest.fixture
+def clean_registry(monkeypatch):
+    from deepspeed.runtime.zero import utils as zero_utils
+
+    monkeypatch.delattr(torch.optim, "CoatAdamW", raising=False)
+    monkeypatch.setattr(zero_utils, "ZERO_SUPPORTED_OPTIMIZERS",
+                        [o for o in zero_utils.ZERO_SUPPORTED_OPTIMIZERS if o is not coat_ds.CoatAdamW])
+    return zero_utils
+
+
+def test_register_adds_exactly_the_two_entries_once(clean_registry):
+    from coat_ds.integrations.deepspeed_registry import is_registered
+
+    before_optim = set(vars(torch.optim))
+    before_zero = list(clean_registry.ZERO_SUPPORTED_OPTIMIZERS)
+    assert not is_registered()
+    coat_ds.register_deepspeed()
+    coat_ds.register_deepspeed()
+    assert is_registered()
+    assert set(vars(torch.optim)) - before_optim == {"CoatAdamW"}
+    assert torch.optim.CoatAdamW is coat_ds.CoatAdamW
+    assert clean_registry.ZERO_SUPPORTED_OPTIMIZERS == before_zero + [coat_ds.CoatAdamW]
+
+
+def test_register_refuses_to_replace_another_torch_optim_name(clean_registry, monkeypatch):
+    monkeypatch.setattr(torch.optim, "CoatAdamW", torch.optim.AdamW, raising=False)
+    with pytest.raises(RuntimeError, match="torch.optim.CoatAdamW is already set"):
+        coat_ds.register_deepspeed()
+    assert coat_ds.CoatAdamW not in clean_registry.ZERO_SUPPORTED_OPTIMIZERS
+
+
+def test_coat_ds_deepspeed_needs_no_extra_import(monkeypatch):
+    # What docs/deepspeed.md's first snippet does after a bare `import coat_ds`.
+    monkeypatch.delitem(sys.modules, "coat_ds.deepspeed", raising=False)
+    monkeypatch.delattr(coat_ds, "deepspeed", raising=False)
+    assert callable(coat_ds.deepspeed.initialize)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        coat_ds.nope
