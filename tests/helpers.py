@@ -2,8 +2,11 @@
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
+import tempfile
+import time
 
 import torch
 
@@ -56,4 +59,32 @@ def read_metrics(path) -> dict[int, dict]:
     for line in open(path):
         m = json.loads(line)
         out.setdefault(m["step"], {}).update(m)
+    return out
+
+
+def run_killed_in_save(cmd: list[str], timeout: int, pidfile=None, **env) -> str:
+    """Run `cmd` (a 2-rank train.py) that must die inside a checkpoint save, as set by
+    `COAT_DS_CKPT_FAULT` in `env`; with `pidfile` (action=pause), SIGKILL the rank whose
+    process id appears there. Returns stdout + stderr; fails if the run exits 0."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           **env}
+    deadline = time.monotonic() + timeout
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        try:
+            while pidfile is not None and not os.path.exists(pidfile):
+                assert proc.poll() is None, "the run ended before reaching the save to kill"
+                assert time.monotonic() < deadline, f"no {pidfile} after {timeout} s"
+                time.sleep(0.2)
+            if pidfile is not None:
+                with open(pidfile) as f:
+                    os.kill(int(f.read()), signal.SIGKILL)
+            proc.wait(max(1.0, deadline - time.monotonic()))
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        log.seek(0)
+        out = log.read()
+    assert proc.returncode != 0, f"{' '.join(cmd)} was not killed inside its save\n{out[-4000:]}"
     return out
