@@ -98,14 +98,17 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _files(folder: str) -> dict[str, int]:
-    """Every file under `folder` (relative path -> bytes), the record excepted."""
+def _synced_files(folder: str) -> dict[str, int]:
+    """Every file under `folder` (relative path -> bytes), the record excepted, each flushed
+    to disk first: the record must not reach the disk before the data it vouches for."""
     out = {}
     for root, _, names in os.walk(folder):
         for name in names:
             full = os.path.join(root, name)
             rel = os.path.relpath(full, folder)
             if rel != RECORD:
+                with open(full, "rb") as f:
+                    os.fsync(f.fileno())
                 out[rel] = os.path.getsize(full)
     return dict(sorted(out.items()))
 
@@ -119,17 +122,20 @@ def staged_save(final: str | os.PathLike, step: int, engine: str = "") -> Iterat
     final = os.path.abspath(os.fspath(final))
     staging = staging_path(final)
     rank, world = _rank_world()
-    problem = None
+    problem = None  # (exception class, message), decided by rank 0 for every rank
     if rank == 0:
         if os.path.lexists(final):
-            problem = (f"{final} already exists: a save never modifies an existing checkpoint "
-                       "(save to another folder, or remove it first)")
+            problem = (FileExistsError, f"{final} already exists: a save never modifies an existing checkpoint "
+                                        "(save to another folder, or remove it first)")
         else:
-            shutil.rmtree(staging, ignore_errors=True)  # the leftover of a save that died
-            os.makedirs(staging)
+            try:
+                shutil.rmtree(staging, ignore_errors=True)  # the leftover of a save that died
+                os.makedirs(staging)
+            except OSError as e:
+                problem = (CheckpointError, f"cannot create {staging}: {e}")
     problem = _from_rank0(problem)
     if problem:
-        raise FileExistsError(problem)
+        raise problem[0](problem[1])
     ok = False
     try:
         yield staging
@@ -140,7 +146,7 @@ def staged_save(final: str | os.PathLike, step: int, engine: str = "") -> Iterat
         raise CheckpointError(f"rank(s) {failed} failed while writing {staging}; {final} was not created")
     if rank == 0:
         record = {"format": FORMAT, "name": os.path.basename(final), "step": int(step), "engine": engine,
-                  "world_size": world, "saved_at": time.time(), "files": _files(staging)}
+                  "world_size": world, "saved_at": time.time(), "files": _synced_files(staging)}
         with atomic_write(os.path.join(staging, RECORD)) as f:
             json.dump(record, f, indent=1)
         os.rename(staging, final)

@@ -1,17 +1,13 @@
 """Checkpoint folders appear only once complete, saves never touch an existing one, resume
 picks the newest complete one, damaged files fail with their path; the atomic-write helper
-and the metrics log. One process here; 2 real gloo ranks for FSDP2 (kill-and-resume of whole
-training runs is in test_train.py and test_train_fsdp.py)."""
+and the metrics log. One process here; on 2 gloo ranks: test_fsdp.py (a failed save and a
+save over an existing folder), test_train.py and test_train_fsdp.py (runs killed in a save)."""
 from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from coat_ds.atomic import atomic_write
 from coat_ds.checkpoint import (
@@ -141,61 +137,3 @@ def test_metrics_log_appends_only_new_steps(tmp_path):
     path.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
     with pytest.raises(ValueError, match="m.jsonl, line 2"):
         MetricsLog(path)
-
-
-# -- FSDP2 on 2 gloo ranks ------------------------------------------------------------------------
-
-
-def _fsdp2_worker(rank, world, init, save_dir, out):
-    from coat_ds import CoatAdamW
-    from coat_ds.integrations.fsdp import load_checkpoint, save_checkpoint, setup_fsdp
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    torch.manual_seed(0)
-    model = setup_fsdp(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 8)), mode="fsdp2")
-    optim = CoatAdamW(model.parameters(), lr=1e-2, min_quant_numel=1)
-
-    def step():
-        model(torch.randn(4, 64, generator=torch.Generator().manual_seed(rank))).square().mean().backward()
-        optim.step()
-        optim.zero_grad()
-
-    result = {}
-    step()
-    save_checkpoint(os.path.join(save_dir, "step1"), model, optim, 1)
-    step()
-    # Rank 1 fails writing its data file of step2: every rank raises, nothing named step2.
-    os.environ["COAT_DS_CKPT_FAULT"] = "rank=1,ckpt=step2,file=distcp,action=raise"
-    try:
-        save_checkpoint(os.path.join(save_dir, "step2"), model, optim, 2)
-    except BaseException as e:  # DCP's CheckpointException, on every rank, naming the failing rank's error
-        result["error"] = f"{type(e).__name__}: {e}"
-    del os.environ["COAT_DS_CKPT_FAULT"]
-    result["step2_exists"] = os.path.exists(os.path.join(save_dir, "step2"))
-    try:
-        save_checkpoint(os.path.join(save_dir, "step1"), model, optim, 2)
-    except FileExistsError as e:
-        result["exists_error"] = str(e)
-    # `load_checkpoint(save_dir)`: the newest complete checkpoint, step1.
-    result["loaded_step"] = load_checkpoint(save_dir, model, optim)
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # FSDP state keeps the group alive into finalization: see test_fsdp._finish
-
-
-def test_fsdp2_failed_save_is_invisible_and_resume_takes_the_newest(tmp_path, capfd):
-    save, out = tmp_path / "ckpt", tmp_path / "out"
-    out.mkdir()
-    mp.spawn(_fsdp2_worker, args=(2, str(tmp_path / "init"), str(save), str(out)), nprocs=2, join=True)
-    r0, r1 = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
-    for r in (r0, r1):
-        assert "injected failure writing" in r["error"] and ".step2.partial/__1_0.distcp" in r["error"]
-    assert not r0["step2_exists"] and sorted(os.listdir(save)) == [".step2.partial", "latest", "step1"]
-    assert "step1 already exists" in r0["exists_error"] and "step1 already exists" in r1["exists_error"]
-    assert r0["loaded_step"] == r1["loaded_step"] == 1
-    err = capfd.readouterr().err
-    assert f"WARNING: skipping {save / '.step2.partial'}" in err
