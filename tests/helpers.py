@@ -42,14 +42,24 @@ def free_port() -> int:
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _repo_env(env: dict) -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            **env}
+
+
 def run_in_repo(cmd: list[str], timeout: int, **env) -> subprocess.CompletedProcess:
     """Run `cmd` (a launcher and train.py, say) from the repository root with the repo on
     PYTHONPATH, one OpenMP thread and `env` added; fail with its output unless it exits 0.
     A non-zero status includes a SIGABRT of a gloo group at interpreter exit."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           **env}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, env=_repo_env(env), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def run_failing_in_repo(cmd: list[str], timeout: int, **env) -> subprocess.CompletedProcess:
+    """As `run_in_repo`, for a command that must exit non-zero."""
+    proc = subprocess.run(cmd, cwd=ROOT, env=_repo_env(env), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode != 0, f"{' '.join(cmd)} succeeded\n{proc.stdout[-4000:]}"
     return proc
 
 
@@ -66,8 +76,7 @@ def run_killed_in_save(cmd: list[str], timeout: int, pidfile=None, **env) -> str
     """Run `cmd` (a 2-rank train.py) that must die inside a checkpoint save, as set by
     `COAT_DS_CKPT_FAULT` in `env`; with `pidfile` (action=pause), SIGKILL the rank whose
     process id appears there. Returns stdout + stderr; fails if the run exits 0."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           **env}
+    env = _repo_env(env)
     deadline = time.monotonic() + timeout
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)

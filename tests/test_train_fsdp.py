@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT, free_port, read_metrics, run_in_repo, run_killed_in_save
+from helpers import ROOT, free_port, read_metrics, run_failing_in_repo, run_in_repo, run_killed_in_save
 
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
@@ -64,6 +64,15 @@ def test_train_py_fsdp2_killed_in_save_resumes(tmp_path):
     assert sorted(k for k, m in got.items() if "loss" in m) == [6]
     assert math.isfinite(got[6]["loss"]) and got[6]["loss"] < ref[2]["loss"]
     assert got[5]["optimizer_state_gb"] == pytest.approx(2 * ref[1]["optimizer_state_gb"], rel=0.02)
+
+    # Resuming step 4 into the same save folder would save step6 again: refused before the
+    # first training step (one process, no launcher), step6 left as it was.
+    before = {f: (save / "step6" / f).read_bytes() for f in os.listdir(save / "step6")}
+    again = run_failing_in_repo([sys.executable, "train.py", "--fsdp", "--config", "configs/tiny.yaml",
+                                 "--max-steps", "6", "--resume", str(save / "step4"), "--save-dir", str(save)], 180)
+    assert f"{save} already holds step6, which this run would save again" in again.stderr
+    assert "step 6/6" not in again.stdout
+    assert {f: (save / "step6" / f).read_bytes() for f in os.listdir(save / "step6")} == before
 
 
 @pytest.mark.slow

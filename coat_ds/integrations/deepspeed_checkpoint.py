@@ -14,6 +14,8 @@ shaped like the partition. So a resume at another size goes through the FP32 lay
    through `CoatAdamW.load_fp32_state_dict`.
 
 `load_checkpoint(engine, dir)` picks the direct or the converting path by the saved world size.
+`save_checkpoint(engine, save_dir, tag)` wraps `engine.save_checkpoint` so that the checkpoint
+becomes visible only once every rank has written it (`coat_ds.checkpoint`).
 Command line: `python -m coat_ds.integrations.deepspeed_checkpoint CKPT_DIR OUT.pt [--tag TAG]`.
 """
 from __future__ import annotations
@@ -113,7 +115,7 @@ def save_checkpoint(engine, save_dir: str, tag: str, client_state: dict | None =
 
 
 def saved_world_size(load_dir: str, tag: str | None = None) -> int:
-    """Data-parallel size the checkpoint in `load_dir` (tag, or 'latest') was saved at."""
+    """Data-parallel size the checkpoint in `load_dir` (tag, or the newest complete one) was saved at."""
     return int(_model_state(_tag_dir(load_dir, tag))["dp_world_size"])
 
 
