@@ -33,7 +33,7 @@ import sys
 import time
 import zipfile
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
