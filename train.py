@@ -17,7 +17,6 @@ for both engines (the FSDP engine ignores its ZeRO section).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import resource
@@ -31,10 +30,17 @@ import torch.distributed as dist
 import yaml
 
 from coat_ds import compress_activations
+from coat_ds.checkpoint import check_new_checkpoints
 from coat_ds.data import DataConfig, TokenData, batch_seed, load_data
 from coat_ds.engines import shutdown_distributed
+from coat_ds.metrics import MetricsLog
 from coat_ds.model import Llama, model_config
 from coat_ds.run_config import TrainConfig, checkpoint_plan, parse_config
+
+
+def will_save(cfg: TrainConfig, step: int) -> bool:
+    """Whether a checkpoint is saved after `step` (1-based)."""
+    return bool(cfg.save_interval and step % cfg.save_interval == 0) or step == cfg.max_steps
 
 
 def lr_factor(cfg: TrainConfig, step: int) -> float:
@@ -53,8 +59,8 @@ class Runner:
 
     train_micro_step: Callable  # (x, y) -> loss; the engine decides when the optimizer steps
     eval_loss: Callable  # (x, y) -> loss without gradients
-    save: Callable  # (save_dir, tag, client_state) -> None
-    load: Callable  # (load_dir) -> client_state
+    save: Callable  # (save_dir, tag, client_state) -> None; the checkpoint appears only once complete
+    load: Callable  # (checkpoint or save folder) -> (checkpoint folder loaded, client_state)
     lr: Callable  # () -> current learning rate
     optimizer_state_bytes: Callable  # () -> bytes of optimizer state (moments) on this rank
     micro_batch: int  # sequences per rank per micro-step
@@ -76,7 +82,7 @@ def eval_loss_of(module: torch.nn.Module) -> Callable:
 def setup_deepspeed(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
     from coat_ds.engines import optimizer_state_bytes
     from coat_ds.integrations.deepspeed import initialize
-    from coat_ds.integrations.deepspeed_checkpoint import load_checkpoint
+    from coat_ds.integrations.deepspeed_checkpoint import load_checkpoint, save_checkpoint
 
     engine, _, _, _ = initialize(
         model=model, config=cfg.deepspeed,
@@ -90,11 +96,11 @@ def setup_deepspeed(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
 
 
     def load(load_dir):
-        return load_checkpoint(engine, load_dir)[1]
+        return load_checkpoint(engine, load_dir)
 
     base_optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)  # inside ZeRO's wrapper
     return Runner(train_micro_step, eval_loss_of(engine),
-                  save=lambda d, tag, client: engine.save_checkpoint(d, tag=tag, client_state=client),
+                  save=lambda d, tag, client: save_checkpoint(engine, d, tag, client, step=client["step"]),
                   load=load, lr=lambda: engine.get_lr()[0],
                   optimizer_state_bytes=lambda: optimizer_state_bytes(base_optimizer),
                   micro_batch=engine.train_micro_batch_size_per_gpu(),
@@ -104,7 +110,8 @@ def setup_deepspeed(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
 def setup_fsdp_engine(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
     """FSDP2 or FSDP1 with the optimizer, batch sizes, clipping and BF16 of the DeepSpeed JSON."""
     from coat_ds.engines import build_optimizer, optimizer_state_bytes, read_ds_settings
-    from coat_ds.integrations.fsdp import clip_grad_norm_, load_checkpoint, save_checkpoint, setup_fsdp
+    from coat_ds.integrations.fsdp import (clip_grad_norm_, load_checkpoint, resolve_checkpoint, save_checkpoint,
+                                           setup_fsdp)
 
     ds = read_ds_settings(cfg.deepspeed, dist.get_world_size())
     # As under DeepSpeed's bf16: FP32 master weights and optimizer, BF16 compute, FP32 reduction.
@@ -128,12 +135,13 @@ def setup_fsdp_engine(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
 
 
     def load(load_dir):
-        step = load_checkpoint(load_dir, model, optim)
+        folder = resolve_checkpoint(load_dir)
+        step = load_checkpoint(folder, model, optim)
         # The scheduler is not in the checkpoint: put it, and the LR it sets, at `step`.
         sched.last_epoch = step
         for group, base in zip(optim.param_groups, sched.base_lrs):
             group["lr"] = base * lr_factor(cfg, step)
-        return {"step": step}
+        return folder, {"step": step}
 
     return Runner(train_micro_step, eval_loss_of(model),
                   save=lambda d, tag, client: save_checkpoint(os.path.join(d, tag), model, optim, client["step"]),
@@ -220,17 +228,23 @@ def train(cfg: TrainConfig) -> None:
     runner = ENGINES[cfg.engine](cfg, model)
     start = 0
     if cfg.resume:
-        start = int(runner.load(cfg.resume)["step"])
-        say(f"resumed from {cfg.resume} at step {start}", flush=True)
+        loaded, client_state = runner.load(cfg.resume)
+        start = int(client_state["step"])
+        say(f"resumed from {loaded} at step {start}", flush=True)
+    if cfg.save_dir:  # before training, not at the first save that would hit them
+        check_new_checkpoints(cfg.save_dir, [f"step{s}" for s in range(start + 1, cfg.max_steps + 1)
+                                             if will_save(cfg, s)])
     tokens_per_step = runner.micro_batch * runner.grad_accum * cfg.seq_len * world
     say(f"{world} rank(s), micro-batch {runner.micro_batch} x grad-accum {runner.grad_accum} x seq {cfg.seq_len}: "
         f"{tokens_per_step:,} tokens/step", flush=True)
-    metrics = open(cfg.metrics_file, "a") if cfg.metrics_file and rank == 0 else None
+    metrics = MetricsLog(cfg.metrics_file) if cfg.metrics_file and rank == 0 else None
+    if metrics and metrics.last_step:
+        say(f"{cfg.metrics_file} already holds steps up to {metrics.last_step}: only later steps are appended",
+            flush=True)
 
     def record(**m):
         if metrics:
-            metrics.write(json.dumps(m) + "\n")
-            metrics.flush()
+            metrics.write(**m)
 
     def save(step: int) -> None:
         runner.save(cfg.save_dir, f"step{step}", {"step": step, "train_config": dataclasses.asdict(cfg)})
@@ -270,7 +284,7 @@ def train(cfg: TrainConfig) -> None:
             say(f"step {done}: eval loss {val:.4f}", flush=True)
             record(step=done, eval_loss=val)
             t0 = time.perf_counter()  # eval time is not training throughput
-        if cfg.save_dir and ((cfg.save_interval and done % cfg.save_interval == 0) or done == cfg.max_steps):
+        if cfg.save_dir and will_save(cfg, done):
             save(done)
             t0 = time.perf_counter()
     if metrics:

@@ -2,8 +2,11 @@
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
+import tempfile
+import time
 
 import torch
 
@@ -39,14 +42,24 @@ def free_port() -> int:
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _repo_env(env: dict) -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            **env}
+
+
 def run_in_repo(cmd: list[str], timeout: int, **env) -> subprocess.CompletedProcess:
     """Run `cmd` (a launcher and train.py, say) from the repository root with the repo on
     PYTHONPATH, one OpenMP thread and `env` added; fail with its output unless it exits 0.
     A non-zero status includes a SIGABRT of a gloo group at interpreter exit."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           **env}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, env=_repo_env(env), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def run_failing_in_repo(cmd: list[str], timeout: int, **env) -> subprocess.CompletedProcess:
+    """As `run_in_repo`, for a command that must exit non-zero."""
+    proc = subprocess.run(cmd, cwd=ROOT, env=_repo_env(env), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode != 0, f"{' '.join(cmd)} succeeded\n{proc.stdout[-4000:]}"
     return proc
 
 
@@ -56,4 +69,31 @@ def read_metrics(path) -> dict[int, dict]:
     for line in open(path):
         m = json.loads(line)
         out.setdefault(m["step"], {}).update(m)
+    return out
+
+
+def run_killed_in_save(cmd: list[str], timeout: int, pidfile=None, **env) -> str:
+    """Run `cmd` (a 2-rank train.py) that must die inside a checkpoint save, as set by
+    `COAT_DS_CKPT_FAULT` in `env`; with `pidfile` (action=pause), SIGKILL the rank whose
+    process id appears there. Returns stdout + stderr; fails if the run exits 0."""
+    env = _repo_env(env)
+    deadline = time.monotonic() + timeout
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        try:
+            while pidfile is not None and not os.path.exists(pidfile):
+                assert proc.poll() is None, "the run ended before reaching the save to kill"
+                assert time.monotonic() < deadline, f"no {pidfile} after {timeout} s"
+                time.sleep(0.2)
+            if pidfile is not None:
+                with open(pidfile) as f:
+                    os.kill(int(f.read()), signal.SIGKILL)
+            proc.wait(max(1.0, deadline - time.monotonic()))
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        log.seek(0)
+        out = log.read()
+    assert proc.returncode != 0, f"{' '.join(cmd)} was not killed inside its save\n{out[-4000:]}"
     return out

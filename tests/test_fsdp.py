@@ -30,6 +30,7 @@ from coat_ds.integrations.fsdp import (
     fsdp1_load_optim_state_dict,
     fsdp1_optim_state_dict,
     load_checkpoint,
+    resolve_checkpoint,
     save_checkpoint,
     setup_fsdp,
 )
@@ -280,11 +281,31 @@ def _fsdp2_ckpt_worker(rank, world, init, ckpt):
         for k in a:
             _assert_bitwise(b[k], a[k], f"full: param {i} {k}")
 
+    _failed_saves_change_nothing(model, optim, ckpt)
     _train(model, optim, range(3, 5), rank, world)
     _train(model2, optim2, range(3, 5), rank, world)
     for (k, a), b in zip(_full_params(model).items(), _full_params(model2).values()):
         _assert_bitwise(b, a, k)
     _finish()
+
+
+def _failed_saves_change_nothing(model, optim, ckpt):
+    """On every rank: a save over an existing checkpoint, and one that rank 1 fails to write,
+    both raise and leave nothing new; loading the save folder then takes `ckpt`."""
+    before = {f: os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt)}
+    with pytest.raises(FileExistsError, match=f"{ckpt} already exists"):
+        save_checkpoint(ckpt, model, optim, step=4)
+    assert {f: os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt)} == before
+    parent = os.path.dirname(ckpt)
+    os.environ["COAT_DS_CKPT_FAULT"] = "rank=1,ckpt=step5,file=distcp,action=raise"
+    try:  # DCP gathers rank 1's error and raises it (a BaseException) on every rank
+        with pytest.raises(BaseException, match="injected failure writing .*step5.partial/__1_0.distcp"):
+            save_checkpoint(os.path.join(parent, "step5"), model, optim, step=5)
+    finally:
+        del os.environ["COAT_DS_CKPT_FAULT"]
+    assert not os.path.exists(os.path.join(parent, "step5"))
+    assert resolve_checkpoint(parent) == ckpt
+    assert load_checkpoint(parent, model, optim) == 3
 
 
 def test_fsdp2_dcp_roundtrip_resumes_identically(tmp_path):

@@ -1,6 +1,7 @@
 """End to end: `torchrun train.py --fsdp` (FSDP2, CoatAdamW from ds_configs/coat_zero2.json) on
-the tiny preset, 2 CPU ranks over gloo; then resumes of its mid-run checkpoint on 2 ranks
-(must reproduce the losses bit for bit) and on 1 rank (DCP reshards; must keep training)."""
+the tiny preset, 2 CPU ranks over gloo, SIGKILLed inside its last checkpoint save; then
+`--resume <save_dir>` on 2 ranks (must skip the torn save and reproduce the losses bit for
+bit) and a resume of the mid-run checkpoint on 1 rank (DCP reshards; must keep training)."""
 from __future__ import annotations
 
 import json
@@ -11,24 +12,29 @@ import sys
 
 import pytest
 
-from helpers import ROOT, free_port, read_metrics, run_in_repo
+from helpers import ROOT, free_port, read_metrics, run_failing_in_repo, run_in_repo, run_killed_in_save
 
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
 
+def _cmd(nproc: int, *flags) -> list[str]:
+    return [TORCHRUN, "--nproc_per_node", str(nproc), "--master_port", str(free_port()), "train.py", "--fsdp",
+            "--config", "configs/tiny.yaml", "--max-steps", "6", "--log-interval", "2", "--eval-interval", "0",
+            "--eval-batches", "2", *flags]
+
+
 def _run(nproc: int, *flags) -> subprocess.CompletedProcess:
-    cmd = [TORCHRUN, "--nproc_per_node", str(nproc), "--master_port", str(free_port()), "train.py", "--fsdp",
-           "--config", "configs/tiny.yaml", "--max-steps", "6", "--log-interval", "2", "--eval-interval", "0",
-           "--eval-batches", "2", *flags]
-    return run_in_repo(cmd, 180)
+    return run_in_repo(_cmd(nproc, *flags), 180)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun not installed")
-def test_train_py_fsdp2_smoke_and_resume(tmp_path):
-    save = tmp_path / "ckpt"
-    full = _run(2, "--save-dir", str(save), "--save-interval", "4", "--metrics-file", str(tmp_path / "full.jsonl"))
-    out = full.stdout
+def test_train_py_fsdp2_killed_in_save_resumes(tmp_path):
+    save, pidfile = tmp_path / "ckpt", tmp_path / "paused.pid"
+    # Rank 1 pauses as it starts writing its data file of step 6; this test SIGKILLs it there.
+    out = run_killed_in_save(_cmd(2, "--save-dir", str(save), "--save-interval", "4", "--metrics-file",
+                                  str(tmp_path / "full.jsonl")), 180, pidfile=pidfile,
+                             COAT_DS_CKPT_FAULT=f"rank=1,ckpt=step6,file=.distcp,action=pause,pidfile={pidfile}")
     assert "resolved config:" in out and "engine: fsdp" in out and "fsdp_mode: fsdp2" in out
     assert "2 rank(s), micro-batch 8" in out  # the batch size of the DeepSpeed JSON
     assert "optimizer state:" in out and "tok/s" in out and "peak mem" in out and "eval loss" in out
@@ -37,13 +43,18 @@ def test_train_py_fsdp2_smoke_and_resume(tmp_path):
     losses = [ref[s]["loss"] for s in (2, 4, 6)]
     assert all(math.isfinite(v) for v in losses) and losses[2] < losses[0]
     assert ref[1]["optimizer_state_gb"] > 0
-    assert (save / "step4" / ".metadata").is_file() and (save / "step6" / ".metadata").is_file()
+    assert (save / "step4" / ".metadata").is_file() and (save / "step4" / "coat_ds_checkpoint.json").is_file()
+    assert sorted(os.listdir(save)) == [".step6.partial", "latest", "step4"]
 
-    # Same world size: steps 5..6 see the same batches and state, so the same losses.
-    same = _run(2, "--resume", str(save / "step4"), "--metrics-file", str(tmp_path / "same.jsonl"))
-    assert "resumed from" in same.stdout and "at step 4" in same.stdout
+    # `--resume <save_dir>` under FSDP: the newest complete checkpoint, step4, the torn one
+    # named and skipped. Same world size: steps 5..6 see the same batches and state, so the
+    # same losses; its own step-6 save then replaces the leftover.
+    same = _run(2, "--resume", str(save), "--save-dir", str(save), "--metrics-file", str(tmp_path / "same.jsonl"))
+    assert f"resumed from {save / 'step4'} at step 4" in same.stdout
+    assert f"WARNING: skipping {save / '.step6.partial'}: incomplete checkpoint" in same.stderr
     got = read_metrics(tmp_path / "same.jsonl")
     assert got[6]["loss"] == ref[6]["loss"] and got[6]["eval_loss"] == ref[6]["eval_loss"]
+    assert sorted(os.listdir(save)) == ["latest", "step4", "step6"] and (save / "latest").read_text() == "step6"
 
     # One rank: DCP reshards the checkpoint; this rank now holds the whole optimizer state
     # (the report counts local shards, so it doubles) and training goes on from step 4.
@@ -53,6 +64,15 @@ def test_train_py_fsdp2_smoke_and_resume(tmp_path):
     assert sorted(k for k, m in got.items() if "loss" in m) == [6]
     assert math.isfinite(got[6]["loss"]) and got[6]["loss"] < ref[2]["loss"]
     assert got[5]["optimizer_state_gb"] == pytest.approx(2 * ref[1]["optimizer_state_gb"], rel=0.02)
+
+    # Resuming step 4 into the same save folder would save step6 again: refused before the
+    # first training step (one process, no launcher), step6 left as it was.
+    before = {f: (save / "step6" / f).read_bytes() for f in os.listdir(save / "step6")}
+    again = run_failing_in_repo([sys.executable, "train.py", "--fsdp", "--config", "configs/tiny.yaml",
+                                 "--max-steps", "6", "--resume", str(save / "step4"), "--save-dir", str(save)], 180)
+    assert f"{save} already holds step6, which this run would save again" in again.stderr
+    assert "step 6/6" not in again.stdout
+    assert {f: (save / "step6" / f).read_bytes() for f in os.listdir(save / "step6")} == before
 
 
 @pytest.mark.slow

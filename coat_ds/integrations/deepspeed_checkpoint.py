@@ -14,6 +14,8 @@ shaped like the partition. So a resume at another size goes through the FP32 lay
    through `CoatAdamW.load_fp32_state_dict`.
 
 `load_checkpoint(engine, dir)` picks the direct or the converting path by the saved world size.
+`save_checkpoint(engine, save_dir, tag)` wraps `engine.save_checkpoint` so that the checkpoint
+becomes visible only once every rank has written it (`coat_ds.checkpoint`).
 Command line: `python -m coat_ds.integrations.deepspeed_checkpoint CKPT_DIR OUT.pt [--tag TAG]`.
 """
 from __future__ import annotations
@@ -27,10 +29,13 @@ import os
 
 import torch
 
+from ..atomic import atomic_write
+from ..checkpoint import CheckpointError, Found, fault_point, find_checkpoint, report_skipped, staged_save
 from ..optim import state as st
 from .deepspeed import coat_optimizer, group_state_config, local_partitions
 
-__all__ = ["FORMAT", "saved_world_size", "consolidate_checkpoint", "load_fp32_checkpoint", "load_checkpoint"]
+__all__ = ["FORMAT", "saved_world_size", "consolidate_checkpoint", "load_fp32_checkpoint", "load_checkpoint",
+           "save_checkpoint"]
 
 FORMAT = "coat_ds.deepspeed_fp32_checkpoint/1"
 
@@ -42,36 +47,75 @@ _ENGINE_KEYS = frozenset({
     "ds_version", "sparse_tensor_module_names"})
 
 
-def _split(path: str, tag: str | None) -> tuple[str, str | None]:
-    """Accept a save_dir (with tag or 'latest') or one tag's folder itself."""
-    if tag is None and not os.path.isfile(os.path.join(path, "latest")) and \
-            any(f.endswith("model_states.pt") for f in os.listdir(path)):
-        return os.path.dirname(os.path.abspath(path)), os.path.basename(os.path.abspath(path))
-    return path, tag
+def _resolve(load_dir: str, tag: str | None) -> Found:
+    """The checkpoint folder to read: `load_dir/tag`, or `load_dir` itself when it is one,
+    or the newest complete checkpoint in `load_dir` (see `coat_ds.checkpoint`)."""
+    found = find_checkpoint(os.path.join(load_dir, str(tag)) if tag is not None else load_dir)
+    report_skipped(found)
+    return found
 
 
 def _tag_dir(load_dir: str, tag: str | None) -> str:
-    load_dir, tag = _split(load_dir, tag)
-    if tag is None:
-        latest = os.path.join(load_dir, "latest")
-        if not os.path.isfile(latest):
-            raise FileNotFoundError(f"no tag given and no 'latest' file in {load_dir}")
-        with open(latest) as f:
-            tag = f.read().strip()
-    path = os.path.join(load_dir, str(tag))
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint folder not found: {path}")
-    return path
+    return _resolve(load_dir, tag).path
+
+
+def _read(path: str):
+    """torch.load of one checkpoint file, failing with its path."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise CheckpointError(f"cannot read {path}: {type(e).__name__}: {e}") from e
 
 
 def _model_state(ckpt_dir: str) -> dict:
-    from deepspeed.utils import zero_to_fp32 as z
+    files = sorted(f for f in os.listdir(ckpt_dir) if f.endswith("model_states.pt"))
+    if not files:
+        raise CheckpointError(f"{ckpt_dir} holds no *model_states.pt file (it has {sorted(os.listdir(ckpt_dir))})")
+    return _read(os.path.join(ckpt_dir, files[0]))
 
-    return torch.load(z.get_model_state_files(ckpt_dir)[0], map_location="cpu", weights_only=False)
+
+@contextlib.contextmanager
+def _guarded_files(engine):
+    """DeepSpeed's checkpoint file I/O, for the duration of one save or load: writes pass
+    through `fault_point` (tests kill a rank there), a file that cannot be read fails with
+    its path (DeepSpeed's own error names none)."""
+    ce = engine.checkpoint_engine
+    save, load = ce.save, ce.load
+
+    def guarded_save(state_dict, path):
+        with fault_point(path):
+            save(state_dict, path)
+
+    def guarded_load(path, map_location=None):
+        try:
+            return load(path, map_location=map_location)
+        except Exception as e:
+            raise CheckpointError(f"cannot read {path}: {type(e).__name__}: {e}") from e
+
+    ce.save, ce.load = guarded_save, guarded_load
+    try:
+        yield
+    finally:
+        ce.save, ce.load = save, load
+
+
+def save_checkpoint(engine, save_dir: str, tag: str, client_state: dict | None = None,
+                    step: int | None = None) -> str:
+    """`engine.save_checkpoint` made safe against a rank dying mid-save (call on every rank):
+    written as `save_dir/.tag.partial`, renamed to `save_dir/tag` with its completion record
+    once every rank has finished, then `latest` updated. Refuses an existing `save_dir/tag`.
+    `step` (default: the engine's global step) goes into the record. Returns the folder."""
+    final = os.path.join(os.path.abspath(save_dir), str(tag))
+    step = engine.global_steps if step is None else step
+    with staged_save(final, step, engine=f"deepspeed/zero{engine.zero_optimization_stage()}") as staging, \
+            _guarded_files(engine):
+        engine.save_checkpoint(os.path.dirname(staging), tag=os.path.basename(staging),
+                               client_state=client_state or {}, save_latest=False)
+    return final
 
 
 def saved_world_size(load_dir: str, tag: str | None = None) -> int:
-    """Data-parallel size the checkpoint in `load_dir` (tag, or 'latest') was saved at."""
+    """Data-parallel size the checkpoint in `load_dir` (tag, or the newest complete one) was saved at."""
     return int(_model_state(_tag_dir(load_dir, tag))["dp_world_size"])
 
 
@@ -110,9 +154,16 @@ def consolidate_checkpoint(load_dir: str, tag: str | None = None) -> dict:
     from deepspeed.utils import zero_to_fp32 as z
 
     ckpt_dir = _tag_dir(load_dir, tag)
-    model_states = z.parse_model_states(z.get_model_state_files(ckpt_dir))
-    sds = [torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"]
-           for f in z.get_optim_files(ckpt_dir)]
+    model_sd = _model_state(ckpt_dir)
+    files = z.get_model_state_files(ckpt_dir)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            model_states = z.parse_model_states(files)
+    except Exception as e:
+        for f in files:  # name the unreadable one
+            _read(f)
+        raise CheckpointError(f"cannot parse the model states in {ckpt_dir}: {e}") from e
+    sds = [_read(f)["optimizer_state_dict"] for f in z.get_optim_files(ckpt_dir)]
     stage = int(sds[0]["zero_stage"])
     world = sds[0]["partition_count"]
     world = max(world) if isinstance(world, list) else int(world)
@@ -151,7 +202,6 @@ def consolidate_checkpoint(load_dir: str, tag: str | None = None) -> dict:
         names = {n for shapes in model_states[0].param_shapes for n in shapes}
         return {n: t.detach().clone() for n, t in sd.items() if n in names}
 
-    model_sd = _model_state(ckpt_dir)
     return {
         "format": FORMAT,
         "zero_stage": stage,
@@ -200,7 +250,7 @@ def load_fp32_checkpoint(engine, ckpt) -> dict:
     data-parallel size: master weights, BF16 weights, re-quantized moments, step, the
     engine's step counters and LR scheduler. Returns the saved client state."""
     if not isinstance(ckpt, dict):
-        ckpt = torch.load(ckpt, map_location="cpu", weights_only=False)
+        ckpt = _read(ckpt)
     if ckpt.get("format") != FORMAT:
         raise ValueError(f"not a {FORMAT} file (format={ckpt.get('format')!r})")
     coat = coat_optimizer(engine)
@@ -248,14 +298,16 @@ def load_fp32_checkpoint(engine, ckpt) -> dict:
 def load_checkpoint(engine, load_dir: str, tag: str | None = None) -> tuple[str, dict]:
     """`engine.load_checkpoint` when the world size matches the saved one (bit-exact), else
     consolidate and re-partition through the FP32 layout. `load_dir` is a save_dir (then
-    `tag`, or its 'latest') or one tag's folder. Returns (path, client_state)."""
+    `tag`, or its newest complete checkpoint, see `coat_ds.checkpoint.find_checkpoint`) or one
+    checkpoint folder. Returns (the checkpoint folder loaded, client_state)."""
     ckpt_dir = _tag_dir(load_dir, tag)
-    if saved_world_size(load_dir, tag) == engine.dp_world_size:
-        path, client_state = engine.load_checkpoint(os.path.dirname(ckpt_dir), tag=os.path.basename(ckpt_dir))
+    if saved_world_size(ckpt_dir) == engine.dp_world_size:
+        with _guarded_files(engine):
+            path, client_state = engine.load_checkpoint(os.path.dirname(ckpt_dir), tag=os.path.basename(ckpt_dir))
         if path is None:
-            raise RuntimeError(f"DeepSpeed could not load {ckpt_dir}")
-        return path, client_state
-    return ckpt_dir, load_fp32_checkpoint(engine, consolidate_checkpoint(load_dir, tag))
+            raise CheckpointError(f"DeepSpeed could not load {ckpt_dir}")
+        return ckpt_dir, client_state
+    return ckpt_dir, load_fp32_checkpoint(engine, consolidate_checkpoint(ckpt_dir))
 
 
 def main(argv=None) -> None:
@@ -263,10 +315,11 @@ def main(argv=None) -> None:
                                  "(weights + AdamW moments), loadable at any data-parallel size.")
     ap.add_argument("checkpoint_dir", help="the save_dir given to engine.save_checkpoint")
     ap.add_argument("output", help="output .pt file")
-    ap.add_argument("--tag", default=None, help="checkpoint tag (default: the 'latest' file)")
+    ap.add_argument("--tag", default=None, help="checkpoint tag (default: the newest complete checkpoint)")
     args = ap.parse_args(argv)
     ckpt = consolidate_checkpoint(args.checkpoint_dir, args.tag)
-    torch.save(ckpt, args.output)
+    with atomic_write(args.output, "wb") as f:  # a crash leaves no truncated output behind
+        torch.save(ckpt, f)
     n = sum(t.numel() for t in ckpt["params"].values())
     print(f"wrote {args.output}: {len(ckpt['params'])} tensors, {n:,} params, step {ckpt['step']:g}, "
           f"from ZeRO-{ckpt['zero_stage']} at world size {ckpt['world_size']}")

@@ -17,6 +17,7 @@ works for free, at the cost of one FP8 rounding of the moments at each resume.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from functools import partial
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -45,11 +47,12 @@ from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 from torch.distributed.tensor import DTensor
 
 from ..activation import compress_activations
+from ..checkpoint import CheckpointError, fault_point, find_checkpoint, report_skipped, staged_save
 from ..config import ActivationConfig
 from ..optim.sharded import mark_global_numel
 from ..optim.state import MOMENTS
 
-__all__ = ["FsdpConfig", "setup_fsdp", "save_checkpoint", "load_checkpoint", "clip_grad_norm_",
+__all__ = ["FsdpConfig", "setup_fsdp", "save_checkpoint", "load_checkpoint", "resolve_checkpoint", "clip_grad_norm_",
            "fsdp1_optim_state_dict", "fsdp1_load_optim_state_dict", "is_fsdp1", "is_fsdp2"]
 
 _MODES = ("fsdp2", "fsdp1")
@@ -206,29 +209,67 @@ def _fsdp1_state(model: nn.Module, optim) -> dict:
         return {"model": model.state_dict(), "optim": fsdp1_optim_state_dict(model, optim)}
 
 
-def save_checkpoint(path: str | os.PathLike, model: nn.Module, optim, step: int) -> None:
-    """Save model, optimizer and `step` as a DCP checkpoint directory (call on every rank)."""
+class _GuardedFileSystem(FileSystem):
+    """DCP's file system with each data file written through `fault_point` (tests kill a rank
+    there) and every read failing with the file's path."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        if "r" in mode:
+            try:
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+            except Exception as e:
+                raise CheckpointError(f"cannot read {path}: {type(e).__name__}: {e}") from e
+            return
+        with fault_point(path), super().create_stream(path, mode) as stream:
+            yield stream
+
+
+def _state(model: nn.Module, optim) -> dict:
     if is_fsdp1(model):
-        state = _fsdp1_state(model, optim)
-    else:
-        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
+        return _fsdp1_state(model, optim)
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
+
+
+def save_checkpoint(path: str | os.PathLike, model: nn.Module, optim, step: int) -> str:
+    """Save model, optimizer and `step` as a DCP checkpoint folder `path` (call on every rank).
+
+    Written as `.<name>.partial` next to `path` and renamed to `path`, with its completion
+    record, once every rank has finished; the parent's `latest` then names it. Refuses an
+    existing `path` (see `coat_ds.checkpoint`). Returns the folder."""
+    state = _state(model, optim)
     state["train"] = {"step": torch.tensor(int(step), dtype=torch.int64)}
-    dcp.save(state, checkpoint_id=os.fspath(path))
+    final = os.path.abspath(os.fspath(path))
+    with staged_save(final, step, engine="fsdp1" if is_fsdp1(model) else "fsdp2") as staging:
+        writer = dcp.FileSystemWriter(staging)
+        writer.fs = _GuardedFileSystem()
+        dcp.save(state, storage_writer=writer)
+    return final
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> str:
+    """The checkpoint folder `load_checkpoint` reads for `path`: `path` itself when it is
+    one, else the newest complete checkpoint in it (incomplete ones reported on stderr)."""
+    found = find_checkpoint(path)
+    report_skipped(found)
+    return found.path
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, optim) -> int:
-    """Load a `save_checkpoint` directory into `model` and `optim`, possibly saved on a
-    different number of ranks (call on every rank); returns the saved step."""
-    if is_fsdp1(model):
-        state = _fsdp1_state(model, optim)
-    else:
-        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
+    """Load a `save_checkpoint` folder, or the newest complete one in the save folder `path`,
+    into `model` and `optim`, possibly saved on a different number of ranks (call on every
+    rank); returns the saved step."""
+    folder = resolve_checkpoint(path)
+    state = _state(model, optim)
     state["train"] = {"step": torch.zeros((), dtype=torch.int64)}
     # FSDP1's ShardedTensors of parameters this rank holds no element of have no local
     # shard; DCP's default flattening drops them, finds keys "missing" and mistakes the
     # checkpoint for the pre-2.4 layout. Unflattened they simply read nothing.
     planner = dcp.DefaultLoadPlanner(flatten_sharded_tensors=False) if is_fsdp1(model) else None
-    dcp.load(state, checkpoint_id=os.fspath(path), planner=planner)
+    reader = dcp.FileSystemReader(folder)
+    reader.fs = _GuardedFileSystem()
+    dcp.load(state, storage_reader=reader, planner=planner)
     if is_fsdp1(model):
         with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(),
                                   ShardedOptimStateDictConfig()):

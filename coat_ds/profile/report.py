@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import json
-import os
+
+from ..atomic import atomic_write
 
 __all__ = ["markdown_table", "write_json", "write_markdown", "chart_stacks", "write_chart", "CHART_SIZE_PX",
            "COMPONENTS"]
@@ -54,14 +55,14 @@ def markdown_table(result: dict) -> str:
 
 
 def write_json(result: dict, path: str) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
+    """Whole or not at all: a crash or a value json cannot encode leaves any earlier file as it was."""
+    with atomic_write(path) as f:
         json.dump(result, f, indent=2)
 
 
 def write_markdown(table: str, path: str) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
+    """Whole or not at all, like the JSON beside it."""
+    with atomic_write(path) as f:
         f.write(table + "\n")
 
 
@@ -101,6 +102,8 @@ def write_chart(result: dict, path: str) -> None:
                  f"{result['world_size']} rank(s)")
     ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=_DPI)
-    plt.close(fig)
+    try:
+        with atomic_write(path, "wb") as f:
+            fig.savefig(f, format="png", dpi=_DPI)
+    finally:
+        plt.close(fig)

@@ -259,8 +259,12 @@ def _profile_isolated(opts: ProfileOptions) -> dict:
         code = subprocess.run(cmd).returncode
         if code != 0:
             raise RuntimeError(f"the {side} side failed (exit status {code}); command: {' '.join(cmd)}")
-        with open(os.path.join(directory, "side.json")) as f:
-            part = json.load(f)
+        path = os.path.join(directory, "side.json")
+        try:
+            with open(path) as f:
+                part = json.load(f)
+        except (OSError, ValueError) as e:
+            raise RuntimeError(f"the {side} side's result {path} is unreadable: {e}") from e
         meta = meta or part["meta"]
         results[side] = part["side"]
     out = combine(meta, results)

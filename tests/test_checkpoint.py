@@ -1,0 +1,139 @@
+"""Checkpoint folders appear only once complete, saves never touch an existing one, resume
+picks the newest complete one, damaged files fail with their path; the atomic-write helper
+and the metrics log. One process here; on 2 gloo ranks: test_fsdp.py (a failed save and a
+save over an existing folder), test_train.py and test_train_fsdp.py (runs killed in a save)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from coat_ds.atomic import atomic_write
+from coat_ds.checkpoint import (
+    LATEST,
+    RECORD,
+    CheckpointError,
+    check_new_checkpoints,
+    find_checkpoint,
+    staged_save,
+    staging_path,
+)
+from coat_ds.metrics import MetricsLog
+
+
+def _save(save_dir, name, step, payload=b"x" * 100):
+    with staged_save(save_dir / name, step, engine="test") as staging:
+        with open(os.path.join(staging, "data.bin"), "wb") as f:
+            f.write(payload)
+    return save_dir / name
+
+
+def test_atomic_write_replaces_whole_or_not_at_all(tmp_path):
+    path = tmp_path / "out.json"
+    path.write_text("old")
+    with pytest.raises(RuntimeError):
+        with atomic_write(path) as f:
+            f.write("half of the new cont")
+            raise RuntimeError("crash mid-write")
+    assert path.read_text() == "old" and os.listdir(tmp_path) == ["out.json"]
+    with atomic_write(path) as f:
+        f.write("new")
+    assert path.read_text() == "new" and os.listdir(tmp_path) == ["out.json"]
+    with pytest.raises(ValueError, match="mode"):
+        with atomic_write(path, "a"):
+            pass
+
+
+def test_profiler_json_keeps_the_previous_file_when_writing_fails(tmp_path):
+    from coat_ds.profile.report import write_json
+
+    path = tmp_path / "profile.json"
+    write_json({"a": 1}, str(path))
+    with pytest.raises(TypeError):
+        write_json({"a": 2, "b": object()}, str(path))  # json.dump fails half-way through
+    assert json.loads(path.read_text()) == {"a": 1} and os.listdir(tmp_path) == ["profile.json"]
+
+
+def test_staged_save_publishes_only_complete_checkpoints(tmp_path):
+    save = tmp_path / "ckpt"
+    _save(save, "step2", 2)
+    record = json.loads((save / "step2" / RECORD).read_text())
+    assert record["step"] == 2 and record["files"] == {"data.bin": 100} and record["world_size"] == 1
+    assert (save / LATEST).read_text() == "step2"
+
+    # A save that fails part-way: nothing named step4, `latest` unchanged, resume takes step2.
+    with pytest.raises(OSError, match="disk full"):
+        with staged_save(save / "step4", 4) as staging:
+            open(os.path.join(staging, "data.bin"), "wb").write(b"half")
+            raise OSError("disk full")
+    assert not (save / "step4").exists() and os.path.isdir(staging_path(save / "step4"))
+    assert (save / LATEST).read_text() == "step2"
+    found = find_checkpoint(save)
+    assert found.path == str(save / "step2") and found.step == 2
+    assert [os.path.basename(f) for f, _ in found.skipped] == [".step4.partial"]
+
+    # The same step saved again replaces the leftover staging folder, and becomes the newest.
+    _save(save, "step4", 4)
+    assert not os.path.exists(staging_path(save / "step4")) and (save / LATEST).read_text() == "step4"
+
+    # An existing checkpoint is never modified: the save fails before writing anything.
+    before = (save / "step4" / "data.bin").read_bytes()
+    with pytest.raises(FileExistsError, match="step4 already exists"):
+        _save(save, "step4", 4, payload=b"other run")
+    assert (save / "step4" / "data.bin").read_bytes() == before
+    with pytest.raises(FileExistsError, match="step4"):
+        check_new_checkpoints(save, ["step3", "step4"])
+    check_new_checkpoints(save, ["step6"])
+
+    # A lower step saved later (a resume from step 2 into this folder) does not move `latest` back.
+    _save(save, "step3", 3)
+    assert (save / LATEST).read_text() == "step4" and find_checkpoint(save).path == str(save / "step4")
+
+
+def test_resume_choice_and_damaged_files_name_their_path(tmp_path):
+    save = tmp_path / "ckpt"
+    _save(save, "step2", 2)
+    _save(save, "step5", 5)
+    (save / "step9").mkdir()  # a torn save of a version without records: model file, no record
+    (save / "step9" / "mp_rank_00_model_states.pt").write_bytes(b"PK\x03\x04 cut")
+    (save / LATEST).write_text("")  # an empty `latest` must not matter
+    found = find_checkpoint(save)
+    assert found.path == str(save / "step5") and found.step == 5
+    why = dict(found.skipped)
+    assert "no completion record" in why[str(save / "step9")] and "names ''" in why[str(save / LATEST)]
+
+    with open(save / "step5" / "data.bin", "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(CheckpointError, match=f"{save / 'step5' / 'data.bin'} has 10 bytes"):
+        find_checkpoint(save)
+    with pytest.raises(CheckpointError, match="step9/mp_rank_00_model_states.pt is truncated"):
+        find_checkpoint(save / "step9")  # named directly: loaded unverified, but checked
+    os.makedirs(staging_path(save / "step7"))
+    with pytest.raises(CheckpointError, match="unfinished save"):
+        find_checkpoint(staging_path(save / "step7"))
+    os.makedirs(tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match=f"no complete checkpoint in {tmp_path / 'empty'}"):
+        find_checkpoint(tmp_path / "empty")
+
+
+def test_metrics_log_appends_only_new_steps(tmp_path):
+    path = tmp_path / "m.jsonl"
+    log = MetricsLog(path)
+    assert log.last_step == 0
+    for step in (1, 2, 3):
+        assert log.write(step=step, loss=float(step))
+    log.close()
+    with open(path, "a") as f:
+        f.write('{"step": 4, "lo')  # killed mid-line
+    log = MetricsLog(path)  # a resume from step 1 replays steps 2, 3 and 4
+    assert log.last_step == 3
+    assert not log.write(step=2, loss=9.0) and not log.write(step=3, loss=9.0)
+    assert log.write(step=4, loss=4.0) and log.write(step=4, eval_loss=4.5)
+    log.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 2.0}, {"step": 3, "loss": 3.0},
+                     {"step": 4, "loss": 4.0}, {"step": 4, "eval_loss": 4.5}]
+    path.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(ValueError, match="m.jsonl, line 2"):
+        MetricsLog(path)
