@@ -77,16 +77,18 @@ def linear_quantize(x: torch.Tensor, fmt="e4m3", rowwise: bool = True, transpose
     dev = x.device
     codes = torch.empty((m, k), dtype=torch.uint8, device=dev) if rowwise else None
     codes_t = torch.empty((k, mp), dtype=torch.uint8, device=dev) if transposed else None
-    scratch = torch.zeros(2, dtype=torch.int32, device=dev)  # [max |x| bits, exponent]
-    exp = scratch[1]
+    amax_bits = torch.zeros(1, dtype=torch.int32, device=dev)
+    # Its own allocation, not a view into amax_bits: Inductor asserts that a custom op's
+    # outputs are 16-byte aligned.
+    exp = torch.empty((), dtype=torch.int32, device=dev)
     n = m * k
     if n:
-        launch(_finite_absmax_kernel, triton.cdiv(n, _ABSMAX_BLOCK), (x, scratch, n), (_ABSMAX_BLOCK,), _NUM_WARPS)
+        launch(_finite_absmax_kernel, triton.cdiv(n, _ABSMAX_BLOCK), (x, amax_bits, n), (_ABSMAX_BLOCK,), _NUM_WARPS)
     n_k = max(1, triton.cdiv(k, _BK))
     n_prog = max(1, triton.cdiv(mp, _BM) * n_k)
     # Absent outputs get a valid pointer; the constexpr flags keep the kernel off them.
-    out = codes if codes is not None else scratch
-    out_t = codes_t if codes_t is not None else scratch
-    launch(_quantize_t_kernel, n_prog, (x, scratch, exp, out, out_t, m, k, mp, n_k),
+    out = codes if codes is not None else amax_bits
+    out_t = codes_t if codes_t is not None else amax_bits
+    launch(_quantize_t_kernel, n_prog, (x, amax_bits, exp, out, out_t, m, k, mp, n_k),
            (get_format(fmt).id, _BM, _BK, rowwise, transposed, hw), _NUM_WARPS)
     return codes, codes_t, exp

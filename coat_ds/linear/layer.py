@@ -52,13 +52,8 @@ class Fp8Linear(nn.Linear):
             fp8_gemm = fp8_gemm_available(input.device)
         else:
             fp8_gemm = cfg.fp8_gemm == "on"
-        lead = input.shape[:-1]
-        x2d = input.reshape(-1, self.in_features)
-        if not x2d.is_contiguous():
-            x2d = x2d.contiguous()
-        y = fp8_linear(x2d, self.weight, self.bias, out_dtype, fp8_gemm,
-                       (cfg.input_format, cfg.weight_format, cfg.grad_format), cfg.fast_accum, cfg.backend)
-        return y.view(*lead, self.out_features)
+        return fp8_linear(input, self.weight, self.bias, out_dtype, fp8_gemm,
+                          (cfg.input_format, cfg.weight_format, cfg.grad_format), cfg.fast_accum, cfg.backend)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8_config={self.fp8_config}"
