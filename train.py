@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from coat_ds import compress_activations
+from coat_ds import compress_activations, convert_to_fp8_linear
 from coat_ds.data import DataConfig, TokenData, batch_seed, load_data
 from coat_ds.engines import shutdown_distributed
 from coat_ds.model import PRESETS, Llama, model_config
@@ -66,6 +66,7 @@ class TrainConfig:
     fsdp_mode: str = "fsdp2"  # FSDP engine: "fsdp2" (fully_shard) or "fsdp1" (FullyShardedDataParallel)
     compress_activations: bool = False  # store saved activations in FP8 (coat_ds.compress_activations)
     compile: bool = False  # torch.compile each decoder block (FP8 activations then compiled into its graphs)
+    fp8_linear: bool = False  # FP8 GEMMs in the blocks' linear layers (coat_ds.convert_to_fp8_linear; head kept)
 
 
 def parse_config(argv: list[str]) -> TrainConfig:
@@ -289,6 +290,8 @@ def train(cfg: TrainConfig) -> None:
         model = Llama(mcfg)
     say(f"data: {data.description}\nmodel: {cfg.preset}, {mcfg.num_params() / 1e6:.2f}M params", flush=True)
     # Hooks on the unsharded modules, before either engine wraps them; the handle counts bytes.
+    if cfg.fp8_linear:
+        convert_to_fp8_linear(model)  # before the hooks and the engine: they see the converted modules
     activations = compress_activations(model) if cfg.compress_activations else None
     if cfg.compile:
         # Block by block, in place and before the engine wraps them (as torchtitan does):

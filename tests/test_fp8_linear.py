@@ -223,3 +223,17 @@ def test_torch_compile_fullgraph():
         y0, dx0, dw0, _ = _run(eager, x, g)
         y, dx, dw, _ = _run(compiled, x, g)
         assert sqnr_db(y0, y) > 40 and sqnr_db(dx0, dx) > 40 and sqnr_db(dw0, dw) > 40, backend
+
+
+def test_train_py_flag_and_yaml_key(tmp_path):
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import train
+
+    assert train.TrainConfig().fp8_linear is False
+    assert train.parse_config(["--fp8-linear"]).fp8_linear is True
+    y = tmp_path / "c.yaml"
+    y.write_text("fp8_linear: true\n")
+    assert train.parse_config(["--config", str(y)]).fp8_linear is True
+    assert train.parse_config(["--config", str(y), "--no-fp8-linear"]).fp8_linear is False
