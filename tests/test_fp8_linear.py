@@ -237,3 +237,17 @@ def test_train_py_flag_and_yaml_key(tmp_path):
     y.write_text("fp8_linear: true\n")
     assert train.parse_config(["--config", str(y)]).fp8_linear is True
     assert train.parse_config(["--config", str(y), "--no-fp8-linear"]).fp8_linear is False
+
+
+def test_zero_and_nonfinite_inputs():
+    """All-zero input: output is the bias, gradients finite (dW zero). A -inf element does
+    not set the scale: the other tokens' outputs keep FP8 accuracy."""
+    _, m = _pair(config=Fp8LinearConfig(fp8_gemm="on", backend="torch"))
+    y, dx, dw, db = _run(m, torch.zeros(B, S, K), torch.randn(B, S, N))
+    assert torch.equal(y, m.bias.detach().expand_as(y)) and not dw.any() and torch.isfinite(dx).all()
+    ref, m = _pair(config=Fp8LinearConfig(fp8_gemm="on", backend="torch"))
+    x = torch.randn(B, S, K)
+    x[0, 0, 0] = float("-inf")
+    with torch.no_grad():
+        y0, y = ref(x), m(x)
+    assert sqnr_db(y0[1], y[1]) > FWD_DB
