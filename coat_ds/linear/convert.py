@@ -48,15 +48,17 @@ def _default_filter(model: nn.Module) -> Callable[[nn.Module, str], bool]:
     return keep
 
 
-def _describe_path(model: nn.Module, config: Fp8LinearConfig) -> str:
+def _describe_path(model: nn.Module, config: Fp8LinearConfig) -> tuple[int, str]:
+    """(log level, what the parameters' device computes): a fallback is a warning, so that
+    nobody takes the memory-only path for the fast one."""
     p = next(model.parameters(), None)
     dev = p.device if p is not None else torch.device("cpu")
     if config.fp8_gemm == "off" or (config.fp8_gemm == "auto" and not fp8_gemm_available(dev)):
         why = "fp8_gemm='off'" if config.fp8_gemm == "off" else f"{dev} has no FP8 GEMMs (needs CUDA capability 8.9+)"
-        return (f"{why}: GEMMs run in the input's precision; the input is still saved in FP8 "
-                f"({config.input_format})")
-    return (f"GEMMs in FP8 on {dev} (torch._scaled_mm; input/weight {config.input_format}/{config.weight_format}, "
-            f"output gradient {config.grad_format})")
+        return logging.WARNING, (f"{why}: GEMMs run in the input's precision; the input is still saved in FP8 "
+                                 f"({config.input_format})")
+    return logging.INFO, (f"GEMMs in FP8 on {dev} (torch._scaled_mm; input/weight "
+                          f"{config.input_format}/{config.weight_format}, output gradient {config.grad_format})")
 
 
 def convert_to_fp8_linear(model: nn.Module, *, config: Fp8LinearConfig | None = None,
@@ -68,7 +70,8 @@ def convert_to_fp8_linear(model: nn.Module, *, config: Fp8LinearConfig | None = 
     accepts; the default filter skips the output head (`get_output_embeddings()`, or a
     module named lm_head/output/head). Parameters, state_dict keys and hooks are unchanged.
     Logs how many layers it converted and which compute path the parameters' device takes
-    (the path is chosen per call from the input's device: a model moved later follows)."""
+    (INFO; WARNING for the path without FP8 GEMMs). The path is chosen per call from the
+    input's device: a model moved later follows."""
     config = config if config is not None else Fp8LinearConfig()
     if not isinstance(config, Fp8LinearConfig):
         raise TypeError(f"config must be an Fp8LinearConfig, got {type(config).__name__}")
@@ -91,7 +94,7 @@ def convert_to_fp8_linear(model: nn.Module, *, config: Fp8LinearConfig | None = 
         m.__class__ = cls
         m.fp8_config = config
         converted += 1
-    logger.info("convert_to_fp8_linear: %d nn.Linear converted, %d skipped (dims not multiples of %d), "
-                "%d skipped by the filter; %s", converted, skipped_dims, GEMM_ALIGN, skipped_filter,
-                _describe_path(model, config))
+    level, path = _describe_path(model, config)
+    logger.log(level, "convert_to_fp8_linear: %d nn.Linear converted, %d skipped (dims not multiples of %d), "
+               "%d skipped by the filter; %s", converted, skipped_dims, GEMM_ALIGN, skipped_filter, path)
     return model
