@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from coat_ds import compress_activations
+from coat_ds import compress_activations, convert_to_fp8_linear
 from coat_ds.checkpoint import check_new_checkpoints
 from coat_ds.data import DataConfig, TokenData, batch_seed, load_data
 from coat_ds.engines import shutdown_distributed
@@ -218,6 +218,8 @@ def train(cfg: TrainConfig) -> None:
         model = Llama(mcfg)
     say(f"data: {data.description}\nmodel: {cfg.preset}, {mcfg.num_params() / 1e6:.2f}M params", flush=True)
     # Hooks on the unsharded modules, before either engine wraps them; the handle counts bytes.
+    if cfg.fp8_linear:
+        convert_to_fp8_linear(model)  # before the hooks and the engine: they see the converted modules
     activations = compress_activations(model) if cfg.compress_activations else None
     if cfg.compile:
         # Block by block, in place and before the engine wraps them (as torchtitan does):

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from .kernels.fp8 import get_format
 
-__all__ = ["OptimStateConfig", "AdamWHyperparams", "ActivationConfig"]
+__all__ = ["OptimStateConfig", "AdamWHyperparams", "ActivationConfig", "Fp8LinearConfig"]
 
 _BACKENDS = ("auto", "triton", "torch")
 _NONFINITE = ("skip", "raise")
@@ -90,5 +90,35 @@ class ActivationConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.min_numel, int) or isinstance(self.min_numel, bool) or self.min_numel < 0:
             raise ValueError(f"min_numel must be an int >= 0, got {self.min_numel!r}")
+        if self.backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {_BACKENDS}, got {self.backend!r}")
+
+
+_FP8_GEMM = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class Fp8LinearConfig:
+    """How `convert_to_fp8_linear` layers compute: per-tensor FP8 GEMMs, input saved in FP8."""
+
+    input_format: str = "e4m3"  # FP8 format of the layer input (the copy backward keeps)
+    weight_format: str = "e4m3"  # FP8 format of the weight in both GEMMs that read it
+    grad_format: str = "e5m2"  # FP8 format of the output gradient (input- and weight-gradient GEMMs)
+    fp8_gemm: str = "auto"  # "on"/"off" FP8 GEMMs, or "auto": where the device has them (CUDA 8.9+, CPU)
+    fast_accum: bool = True  # forward GEMM accumulates in the tensor cores' fast mode (gradients never do)
+    backend: str = "auto"  # "triton" kernels, "torch" twins, or "auto": Triton on CUDA, twins when compiling or on CPU
+
+    def __post_init__(self):
+        for name in ("input_format", "weight_format", "grad_format"):
+            object.__setattr__(self, name, get_format(getattr(self, name)).name)
+        # A cuBLASLt FP8 GEMM takes at most one E5M2 operand.
+        for a, b in (("input_format", "weight_format"), ("grad_format", "weight_format"),
+                     ("grad_format", "input_format")):
+            if getattr(self, a) == getattr(self, b) == "e5m2":
+                raise ValueError(f"{a} and {b} cannot both be 'e5m2' (they meet in one FP8 GEMM)")
+        if self.fp8_gemm not in _FP8_GEMM:
+            raise ValueError(f"fp8_gemm must be one of {_FP8_GEMM}, got {self.fp8_gemm!r}")
+        if not isinstance(self.fast_accum, bool):
+            raise ValueError(f"fast_accum must be a bool, got {self.fast_accum!r}")
         if self.backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {self.backend!r}")

@@ -59,6 +59,7 @@ class TrainConfig:
     fsdp_mode: str = "fsdp2"  # FSDP engine: "fsdp2" (fully_shard) or "fsdp1" (FullyShardedDataParallel)
     compress_activations: bool = False  # store saved activations in FP8 (coat_ds.compress_activations)
     compile: bool = False  # torch.compile each decoder block (FP8 activations then compiled into its graphs)
+    fp8_linear: bool = False  # FP8 GEMMs in the blocks' linear layers (coat_ds.convert_to_fp8_linear; head kept)
 
     def __post_init__(self):
         choice("preset", self.preset, tuple(PRESETS))
@@ -82,6 +83,7 @@ class TrainConfig:
         choice("fsdp_mode", self.fsdp_mode, _FSDP_MODES)
         boolean("compress_activations", self.compress_activations)
         boolean("compile", self.compile)
+        boolean("fp8_linear", self.fp8_linear)
 
 
 _CHOICES = {"preset": tuple(PRESETS), "bin_dtype": _BIN_DTYPES, "engine": ENGINE_NAMES, "fsdp_mode": _FSDP_MODES}

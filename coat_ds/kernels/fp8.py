@@ -8,7 +8,7 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["Fp8Format", "E4M3", "E5M2", "get_format", "triton_usable", "K_ONE", "K_MAX_CODE"]
+__all__ = ["Fp8Format", "E4M3", "E5M2", "get_format", "triton_usable", "K_ONE", "K_MAX_CODE", "GEMM_ALIGN"]
 
 # DRE exponents are stored as uint8 multiples of 1/16 (k = code / 16), which is why the
 # reference implementation rounds k down to a multiple of 1/16.
@@ -16,6 +16,8 @@ K_ONE = 16
 # k = 8 is the largest useful expansion; 1/16 the strongest compression. Any finite fp32
 # group range (< 2^280 incl. subnormals) compressed by 1/16 still fits E4M3's 2^17.8 span.
 K_MAX_CODE = 128
+# torch._scaled_mm (cuBLASLt) wants both dims of each FP8 operand in multiples of 16.
+GEMM_ALIGN = 16
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,8 @@ __all__ = [
     "act_dequantize_tensor",
     "act_quantize_rows",
     "act_dequantize_rows",
+    "linear_finite_absmax",
+    "linear_quantize",
 ]
 
 
@@ -238,3 +240,37 @@ def act_dequantize_rows(codes: torch.Tensor, exps: torch.Tensor, group_size: int
                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
     x = _act_decode(_grouped(codes, group_size), exps.to(torch.int32)[..., None], get_format(fmt), dtype)
     return _ungrouped(x, codes.shape).to(dtype).contiguous()
+
+
+# ---- FP8 linear layers: twins of kernels/fp8_linear.py (owned by the FP8-linear code) ------
+
+
+def linear_finite_absmax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| over the finite elements of `x` (float32, shape ()); 0 when none is finite.
+
+    A -inf in a masked input must not make the scale infinite: every finite value would
+    then encode to 0."""
+    a = x.to(torch.float32).abs()
+    return torch.where(a < float("inf"), a, 0.0).amax() if x.numel() else a.new_zeros(())
+
+
+def linear_quantize(x: torch.Tensor, fmt="e4m3", rowwise: bool = True, transposed: bool = False,
+                    pad: int = 16) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """Per-tensor FP8 of a 2-D (M, K) `x` with a power-of-two scale 2**e from its finite max.
+
+    Returns (codes (M, K) or None, transposed codes (K, M padded with zero columns to a
+    multiple of `pad`) or None, int32 exponent e of shape ()); codes are uint8, x ~ q * 2**e.
+    The transposed copy is what a GEMM that contracts over M (the weight gradient) reads."""
+    fmt = get_format(fmt)
+    e = act_scale_exponent(linear_finite_absmax(x), fmt)
+    # A saturating cast (clamp, then torch's RNE cast) equals encode_fp8 on every non-NaN
+    # value, and compiles to one Inductor kernel without encode_fp8's integer sign fix-up.
+    codes = (x.to(torch.float32) * pow2(-e)).clamp(-fmt.max, fmt.max).to(fmt.dtype).view(torch.uint8)
+    codes_t = None
+    if transposed:
+        m = x.shape[0]
+        codes_t = codes.t()
+        if m % pad:
+            codes_t = torch.nn.functional.pad(codes_t, (0, pad - m % pad))
+        codes_t = codes_t.contiguous()
+    return (codes if rowwise else None), codes_t, e

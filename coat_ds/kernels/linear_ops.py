@@ -1,0 +1,72 @@
+"""Dispatch for the FP8-linear kernels: a torch.library custom op over the Triton launcher,
+or the torch twin.
+
+The custom op (with a fake implementation giving output shapes) lets torch.compile trace a
+converted layer without a graph break; the torch twin is plain torch ops, which Inductor
+fuses into the kernels around it. Triton is imported only when the op runs on a device
+where Triton runs."""
+from __future__ import annotations
+
+import torch
+
+from . import reference
+from .fp8 import GEMM_ALIGN, get_format, triton_usable
+
+__all__ = ["get_linear_ops"]
+
+_FORMATS = ("e4m3", "e5m2")
+
+
+def _split(codes, codes_t, e, rowwise: bool, transposed: bool):
+    # A custom op returns tensors only: an absent output travels as an empty tensor.
+    empty = e.new_empty((0,), dtype=torch.uint8)
+    return (codes if rowwise else empty), (codes_t if transposed else empty), e
+
+
+@torch.library.custom_op("coat_ds::fp8_linear_quantize", mutates_args=())
+def _quantize_op(x: torch.Tensor, fmt_id: int, rowwise: bool, transposed: bool) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor]:
+    fmt = _FORMATS[fmt_id]
+    if triton_usable(x.device):
+        from .fp8_linear import linear_quantize
+
+        out = linear_quantize(x.contiguous(), fmt, rowwise, transposed, GEMM_ALIGN)
+    else:
+        out = reference.linear_quantize(x, fmt, rowwise, transposed, GEMM_ALIGN)
+    return _split(*out, rowwise, transposed)
+
+
+@_quantize_op.register_fake
+def _(x, fmt_id, rowwise, transposed):
+    m, k = x.shape
+    mp = -(-m // GEMM_ALIGN) * GEMM_ALIGN
+    codes = x.new_empty((m, k) if rowwise else (0,), dtype=torch.uint8)
+    codes_t = x.new_empty((k, mp) if transposed else (0,), dtype=torch.uint8)
+    return codes, codes_t, x.new_empty((), dtype=torch.int32)
+
+
+def _custom_quantize(x, fmt, rowwise, transposed):
+    codes, codes_t, e = _quantize_op(x, get_format(fmt).id, rowwise, transposed)
+    return (codes if rowwise else None), (codes_t if transposed else None), e
+
+
+def _torch_quantize(x, fmt, rowwise, transposed):
+    return reference.linear_quantize(x, fmt, rowwise, transposed, GEMM_ALIGN)
+
+
+def get_linear_ops(device: torch.device, backend: str = "auto"):
+    """`quantize(x2d, fmt, rowwise, transposed) -> (codes | None, codes_t | None, exp)` for
+    tensors on `device`: "triton" (the custom op over the Triton kernels), "torch" (the twin)
+    or "auto": the twin while torch.compile traces (Inductor then fuses the casts into their
+    producers) and on CPU, the Triton op on CUDA."""
+    if backend == "torch":
+        return _torch_quantize
+    if backend == "triton":
+        if not triton_usable(device):
+            raise RuntimeError(f"Fp8LinearConfig.backend='triton' cannot run on {device.type} tensors"
+                               + (" (set TRITON_INTERPRET=1 to use Triton's interpreter on CPU)"
+                                  if device.type == "cpu" else ""))
+        return _custom_quantize
+    if torch.compiler.is_compiling() or device.type != "cuda" or not triton_usable(device):
+        return _torch_quantize
+    return _custom_quantize

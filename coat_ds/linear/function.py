@@ -1,0 +1,104 @@
+"""The autograd function of an FP8 linear layer: three GEMMs, one FP8 copy of the input.
+
+Forward quantizes the input once per tensor (E4M3) into two layouts: row-major for the
+forward GEMM and transposed for the weight-gradient GEMM, which contracts over tokens. Only
+the transposed codes and their scale are saved; no high-precision copy of the input is
+kept. The weight is saved as the Parameter it is (alive anyway; FSDP2 and ZeRO-3 gather it
+again for backward) and quantized again there, straight into the transposed layout the
+input-gradient GEMM reads, with the scale kept from forward.
+
+Where the device has no FP8 GEMMs, forward computes in the input's precision from the
+input itself and backward's weight gradient from the dequantized FP8 copy: the memory
+saving stays, the speed-up does not."""
+from __future__ import annotations
+
+import torch
+
+from ..kernels import reference
+from ..kernels.fp8 import get_format
+from ..kernels.linear_ops import get_linear_ops
+
+__all__ = ["fp8_linear"]
+
+_pow2 = reference.pow2
+
+
+def _mm(a, a_fmt, ea, b_t, b_fmt, eb, out_dtype, bias=None, fast_accum=False, out=None):
+    """a (M, K) row-major codes @ b_t.t() (b_t: (N, K) row-major codes): cuBLASLt's layout."""
+    args = (a.view(a_fmt.dtype), b_t.view(b_fmt.dtype).t(), _pow2(ea), _pow2(eb))
+    if out is None:
+        return torch._scaled_mm(*args, bias=bias, out_dtype=out_dtype, use_fast_accum=fast_accum)
+    return torch._scaled_mm(*args, bias=bias, out_dtype=out_dtype, use_fast_accum=fast_accum, out=out)
+
+
+class _Fp8LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_nd, weight, bias, out_dtype, fp8_gemm, fmts, fast_accum, backend):
+        x = x_nd.reshape(-1, x_nd.shape[-1])
+        if not x.is_contiguous():
+            x = x.contiguous()
+        f_in, f_w, f_g = (get_format(f) for f in fmts)
+        quantize = get_linear_ops(x.device, backend)
+        xq, xq_t, ex = quantize(x, f_in, fp8_gemm, True)
+        ew = None
+        if fp8_gemm:
+            wq, _, ew = quantize(weight, f_w, True, False)
+            # cuBLASLt takes a bias only with a 16-bit output; an FP32 one is added after.
+            fused_bias = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
+            b = bias.to(out_dtype) if fused_bias else None
+            n = weight.shape[0]
+            if torch.compiler.is_compiling():
+                # Functional, as measured on the H100: an out= call would be functionalized
+                # into a GEMM plus a copy.
+                y = _mm(xq, f_in, ex, wq, f_w, ew, out_dtype, b, fast_accum).view(*x_nd.shape[:-1], n)
+            else:
+                # Eagerly written into the N-D output: a reshaped view as a module's output
+                # trips FSDP2's check on outputs that are views.
+                y = x.new_empty((*x_nd.shape[:-1], n), dtype=out_dtype)
+                _mm(xq, f_in, ex, wq, f_w, ew, out_dtype, b, fast_accum, out=y.view(-1, n))
+            if bias is not None and not fused_bias:
+                y = y + bias.to(out_dtype)
+        else:
+            y = torch.nn.functional.linear(x_nd.to(out_dtype), weight.to(out_dtype),
+                                           None if bias is None else bias.to(out_dtype))
+        ctx.save_for_backward(xq_t, ex, weight, ew)
+        ctx.fmts, ctx.fp8_gemm, ctx.backend = (f_in, f_w, f_g), fp8_gemm, backend
+        ctx.m, ctx.x_dtype, ctx.x_shape, ctx.has_bias = x.shape[0], x.dtype, x_nd.shape, bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        xq_t, ex, weight, ew = ctx.saved_tensors
+        f_in, f_w, f_g = ctx.fmts
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        gy = gy.reshape(-1, gy.shape[-1])
+        if not gy.is_contiguous():
+            gy = gy.contiguous()
+        dx = dw = db = None
+        if ctx.fp8_gemm and (need_dx or need_dw):
+            quantize = get_linear_ops(gy.device, ctx.backend)
+            gq, gq_t, eg = quantize(gy, f_g, need_dx, need_dw)
+            if need_dx:
+                _, wq_t, _ = quantize(weight, f_w, False, True)
+                dx = _mm(gq, f_g, eg, wq_t, f_w, ew, ctx.x_dtype)
+            if need_dw:
+                # Both transposed copies carry the same zero padding of the token dim.
+                dw = _mm(gq_t, f_g, eg, xq_t, f_in, ex, weight.dtype)
+        elif need_dx or need_dw:
+            if need_dx:
+                dx = (gy @ weight.to(gy.dtype)).to(ctx.x_dtype)
+            if need_dw:
+                x_hat = reference.act_dequantize_tensor(xq_t[:, :ctx.m], ex, f_in, gy.dtype)
+                dw = (gy.t() @ x_hat.t()).to(weight.dtype)
+        if dx is not None:
+            dx = dx.view(ctx.x_shape)
+        if need_db and ctx.has_bias:
+            db = gy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        return dx, dw, db, None, None, None, None, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+               fp8_gemm: bool, fmts: tuple[str, str, str], fast_accum: bool, backend: str) -> torch.Tensor:
+    """y = x @ weight.t() + bias over x's last dim, as described above."""
+    return _Fp8LinearFunction.apply(x, weight, bias, out_dtype, fp8_gemm, fmts, fast_accum, backend)

@@ -1,0 +1,266 @@
+"""Fp8Linear and convert_to_fp8_linear on CPU: numerics against nn.Linear, kernels against
+their torch twins, state_dict compatibility, the conversion filter, composition with
+compress_activations, checkpointing and torch.compile.
+
+SQNR bounds (dB, against the same layer in FP32): E4M3 keeps 3 mantissa bits, so one
+per-tensor-scaled Gaussian operand quantizes at ~31 dB and a product of two at ~28 dB;
+E5M2 (2 bits) at ~25 dB, and a product with E4M3 at ~24 dB. The bounds leave ~3 dB of
+margin below what these shapes measure (docs/fp8_linear.md lists both)."""
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import coat_ds
+from coat_ds import Fp8Linear, Fp8LinearConfig, convert_to_fp8_linear
+from coat_ds.kernels import reference
+from helpers import sqnr_db
+
+FWD_DB, DX_DB, DW_DB = 25.0, 21.0, 21.0
+# M = 2 * 37 tokens is no multiple of 16: the transposed copies carry zero padding.
+B, S, K, N = 2, 37, 96, 48
+
+
+def _pair(bias=True, config=None, seed=0):
+    torch.manual_seed(seed)
+    ref = nn.Linear(K, N, bias=bias)
+    with torch.no_grad():
+        ref.bias.add_(0.5) if bias else None
+    m = nn.Linear(K, N, bias=bias)
+    m.load_state_dict(ref.state_dict())
+    convert_to_fp8_linear(m, config=config, module_filter_fn=lambda mod, fqn: True)
+    return ref, m
+
+
+def _run(layer, x, g, autocast=False):
+    x = x.clone().requires_grad_()
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
+        y = layer(x)
+    y.backward(g.to(y.dtype))
+    return y, x.grad, layer.weight.grad, layer.bias.grad if layer.bias is not None else None
+
+
+def _saved_by(layer, x):
+    """Every tensor autograd saves in `layer`'s forward."""
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x.clone().requires_grad_())
+    return saved
+
+
+PATHS = {
+    "fp8_scaled_mm": dict(fp8_gemm="on", backend="torch"),
+    "fp8_triton_interpreted": dict(fp8_gemm="on", backend="triton"),
+    "no_fp8_gemm": dict(fp8_gemm="off", backend="torch"),
+    "grad_e4m3": dict(fp8_gemm="on", backend="torch", grad_format="e4m3"),
+}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("autocast", [False, True])
+def test_matches_nn_linear(path, autocast):
+    if path == "fp8_triton_interpreted" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+    ref, m = _pair(config=Fp8LinearConfig(**PATHS[path]))
+    torch.manual_seed(1)
+    x, g = torch.randn(B, S, K) * 3, torch.randn(B, S, N)
+    y0, dx0, dw0, db0 = _run(ref, x, g)  # FP32 oracle
+    y, dx, dw, db = _run(m, x, g, autocast)
+    assert y.dtype == (torch.bfloat16 if autocast else torch.float32) and dx.dtype == torch.float32
+    assert dw.dtype == db.dtype == torch.float32
+    results = {"y": sqnr_db(y0, y), "dx": sqnr_db(dx0, dx), "dw": sqnr_db(dw0, dw), "db": sqnr_db(db0, db)}
+    fp8 = PATHS[path]["fp8_gemm"] == "on"
+    # Without FP8 GEMMs forward and input gradient are nn.Linear's own (BF16 under autocast).
+    assert results["y"] > (FWD_DB if fp8 else (35 if autocast else 100)), results
+    assert results["dx"] > (DX_DB if fp8 else (35 if autocast else 100)), results
+    assert results["dw"] > DW_DB, results
+    assert results["db"] > (35 if autocast else 100), results
+    for t in (y, dx, dw, db):
+        assert torch.isfinite(t).all()
+
+
+def test_saves_only_fp8_input_and_params():
+    """Backward keeps the FP8 transposed input codes and their scale, nothing else of x."""
+    _, m = _pair(config=Fp8LinearConfig(fp8_gemm="on", backend="torch"))
+    x = torch.randn(B, S, K)
+    saved = _saved_by(m, x)
+    params = [t for t in saved if isinstance(t, nn.Parameter)]
+    others = [t for t in saved if not isinstance(t, nn.Parameter)]
+    assert [p is m.weight for p in params] == [True]
+    m_pad = -(-B * S // 16) * 16
+    assert sorted((t.dtype, tuple(t.shape)) for t in others if t.numel() > 1) == [(torch.uint8, (K, m_pad))]
+    # Plus two int32 exponents: the input's and the weight's (kept so backward skips its max).
+    assert sum(t.numel() * t.element_size() for t in others) == K * m_pad + 4 + 4
+    # The codes decode to the input within E4M3's error.
+    codes = next(t for t in others if t.numel() > 1)
+    e = next(t for t in others if t.numel() == 1)
+    x_hat = reference.act_dequantize_tensor(codes[:, :B * S], e).t()
+    assert sqnr_db(x.reshape(-1, K), x_hat) > 28
+
+
+def test_triton_kernel_matches_twin():
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+    from coat_ds.kernels.fp8_linear import linear_quantize
+
+    torch.manual_seed(2)
+    for shape, dtype in (((37, 96), torch.bfloat16), ((64, 130), torch.float32)):
+        x = (torch.randn(shape) * 5).to(dtype)
+        x[0, 0] = float("-inf")  # must not set the scale
+        for fmt in ("e4m3", "e5m2"):
+            got = linear_quantize(x, fmt, True, True)
+            want = reference.linear_quantize(x, fmt, True, True)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (shape, fmt)
+            assert got[2].item() == want[2].item()
+            finite = reference.act_dequantize_tensor(want[0], want[2], fmt)[1:]
+            assert sqnr_db(x[1:].float(), finite) > (28 if fmt == "e4m3" else 22)
+    zeros = torch.zeros(20, 32)
+    codes, codes_t, e = linear_quantize(zeros, "e4m3", True, True)
+    assert not codes.any() and not codes_t.any() and codes_t.shape == (32, 32)
+
+
+def test_state_dict_both_ways():
+    torch.manual_seed(3)
+    plain = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16, bias=False))
+    converted = convert_to_fp8_linear(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16, bias=False)),
+                                      module_filter_fn=lambda m, fqn: True)
+    assert isinstance(converted[0], Fp8Linear) and isinstance(converted[0], nn.Linear)
+    assert converted.state_dict().keys() == plain.state_dict().keys()
+    converted.load_state_dict(plain.state_dict())
+    back = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16, bias=False))
+    back.load_state_dict(converted.state_dict())
+    for a, b in zip(plain.state_dict().values(), back.state_dict().values()):
+        assert torch.equal(a, b)
+    # Conversion keeps the very Parameter objects (optimizers and engines hold them).
+    before = [id(p) for p in plain.parameters()]
+    convert_to_fp8_linear(plain, module_filter_fn=lambda m, fqn: True)
+    assert [id(p) for p in plain.parameters()] == before
+
+
+class _Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(32, 64)
+        self.odd = nn.Linear(64, 30)  # 30 is no multiple of 16
+        self.down = nn.Linear(30, 32)
+        self.lm_head = nn.Linear(32, 128)
+
+    def forward(self, x):
+        return self.lm_head(self.down(self.odd(torch.relu(self.up(x)))))
+
+
+def test_conversion_filter_and_log(caplog):
+    with caplog.at_level(logging.INFO, logger="coat_ds.linear"):
+        model = convert_to_fp8_linear(_Tiny())
+    kinds = {n: type(m).__name__ for n, m in model.named_children()}
+    assert kinds == {"up": "Fp8Linear", "odd": "Linear", "down": "Linear", "lm_head": "Linear"}
+    msg = caplog.records[-1].getMessage()
+    assert "1 nn.Linear converted, 2 skipped (dims" in msg and "1 skipped by the filter" in msg, msg
+    assert "GEMMs in FP8 on cpu" in msg
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="coat_ds.linear"):
+        convert_to_fp8_linear(_Tiny(), config=Fp8LinearConfig(fp8_gemm="off"), module_filter_fn=lambda m, f: True)
+    assert "fp8_gemm='off'" in caplog.records[-1].getMessage() and caplog.records[-1].levelno == logging.WARNING
+    with pytest.raises(ValueError, match="grad_format and weight_format"):
+        Fp8LinearConfig(weight_format="e5m2", input_format="e4m3", grad_format="e5m2")
+    with pytest.raises(ValueError, match="fp8_gemm"):
+        Fp8LinearConfig(fp8_gemm="yes")
+    with pytest.raises(TypeError, match="Fp8LinearConfig"):
+        convert_to_fp8_linear(_Tiny(), config={"fp8_gemm": "on"})
+
+
+def test_no_double_quantization_with_compress_activations():
+    """The hooks store the layer's FP8 input as it is: 1 byte per element plus the scale."""
+    _, m = _pair(bias=False, config=Fp8LinearConfig(fp8_gemm="on", backend="torch"))
+    model = nn.Sequential(m, nn.SiLU())
+    handle = coat_ds.compress_activations(model, config=coat_ds.ActivationConfig(backend="torch", min_numel=256))
+    x = torch.randn(B, S, K)
+    handle.reset_stats()
+    model(x).sum().backward()
+    st = handle.stats()
+    m_pad = -(-B * S // 16) * 16
+    assert st.compressed_tensors == 1  # SiLU's input, per group
+    assert st.kept_tensors == 3 and st.kept_bytes == K * m_pad + 4 + 4, st  # codes, 2 exponents
+    assert torch.isfinite(m.weight.grad).all()
+
+
+def test_checkpoint_and_grad_accumulation():
+    from torch.utils.checkpoint import checkpoint
+
+    ref, m = _pair(config=Fp8LinearConfig(fp8_gemm="on", backend="torch"))
+    torch.manual_seed(4)
+    xs = [torch.randn(B, S, K) for _ in range(2)]
+    for x in xs:
+        ref(x).pow(2).sum().backward()
+        checkpoint(m, x, use_reentrant=False).pow(2).sum().backward()
+    assert sqnr_db(ref.weight.grad, m.weight.grad) > DW_DB
+
+
+def test_torch_compile_fullgraph():
+    """No graph break per layer: with the torch twins (Inductor fuses them) and with the
+    Triton custom op (traced through its fake implementation)."""
+    torch._dynamo.reset()
+    for backend in ("auto", "triton"):
+        if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+            continue
+        ref, m = _pair(config=Fp8LinearConfig(fp8_gemm="on", backend=backend))
+        eager = nn.Linear(K, N)
+        eager.load_state_dict(ref.state_dict())
+        convert_to_fp8_linear(eager, config=Fp8LinearConfig(fp8_gemm="on", backend="torch"),
+                              module_filter_fn=lambda mod, fqn: True)
+        compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+        torch.manual_seed(5)
+        x, g = torch.randn(B, S, K), torch.randn(B, S, N)
+        y0, dx0, dw0, _ = _run(eager, x, g)
+        y, dx, dw, _ = _run(compiled, x, g)
+        assert sqnr_db(y0, y) > 40 and sqnr_db(dx0, dx) > 40 and sqnr_db(dw0, dw) > 40, backend
+
+
+def test_train_py_flag_and_yaml_key(tmp_path):
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import train
+
+    assert train.TrainConfig().fp8_linear is False
+    assert train.parse_config(["--fp8-linear"]).fp8_linear is True
+    y = tmp_path / "c.yaml"
+    y.write_text("fp8_linear: true\n")
+    assert train.parse_config(["--config", str(y)]).fp8_linear is True
+    assert train.parse_config(["--config", str(y), "--no-fp8-linear"]).fp8_linear is False
+
+
+def test_zero_and_nonfinite_inputs():
+    """All-zero input: output is the bias, gradients finite (dW zero). A -inf element does
+    not set the scale: the other tokens' outputs keep FP8 accuracy."""
+    _, m = _pair(config=Fp8LinearConfig(fp8_gemm="on", backend="torch"))
+    y, dx, dw, db = _run(m, torch.zeros(B, S, K), torch.randn(B, S, N))
+    assert torch.equal(y, m.bias.detach().expand_as(y)) and not dw.any() and torch.isfinite(dx).all()
+    ref, m = _pair(config=Fp8LinearConfig(fp8_gemm="on", backend="torch"))
+    x = torch.randn(B, S, K)
+    x[0, 0, 0] = float("-inf")
+    with torch.no_grad():
+        y0, y = ref(x), m(x)
+    assert sqnr_db(y0[1], y[1]) > FWD_DB
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_cuda_matches_nn_linear(backend):
+    """On a GPU: cuBLASLt FP8 GEMMs (capability 8.9+) or the fallback, same bounds as on CPU."""
+    ref, m = _pair(config=Fp8LinearConfig(backend=backend))
+    ref, m = ref.cuda(), m.cuda()
+    torch.manual_seed(6)
+    x, g = torch.randn(B, S, K, device="cuda") * 3, torch.randn(B, S, N, device="cuda")
+    y0, dx0, dw0, _ = _run(ref, x, g)
+    y, dx, dw, _ = _run(m, x, g, autocast=True)
+    assert sqnr_db(y0, y) > FWD_DB and sqnr_db(dx0, dx) > DX_DB and sqnr_db(dw0, dw) > DW_DB
