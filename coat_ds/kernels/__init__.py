@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 
 from . import reference
-from .fp8 import E4M3, E5M2, Fp8Format, get_format, triton_usable
+from .fp8 import E4M3, E5M2, Fp8Format, get_format, kernel_isa, log_reference_path, set_fp8_conversions, triton_usable
 from .layout import AdamWHyper, AdamWSlot, GroupLayout, QuantizedGroups, group_layout
 
 __all__ = [
@@ -19,6 +19,8 @@ __all__ = [
     "Fp8Format",
     "get_format",
     "triton_usable",
+    "kernel_isa",
+    "set_fp8_conversions",
     "AdamWHyper",
     "AdamWSlot",
     "GroupLayout",
@@ -43,8 +45,11 @@ _TORCH_OPS = SimpleNamespace(name="torch", quantize_groups=reference.quantize_gr
 def get_ops(device: torch.device, backend: str = "auto") -> SimpleNamespace:
     """Kernels for tensors on `device`: "triton", "torch" (reference) or "auto" (Triton on
     CUDA, the reference elsewhere; CPU tensors reach Triton only through backend="triton"
-    under TRITON_INTERPRET=1)."""
+    under TRITON_INTERPRET=1). Which FP8 conversions the Triton kernels use is chosen per
+    device by `kernel_isa`."""
     if backend == "torch" or (backend == "auto" and (device.type != "cuda" or not triton_usable(device))):
+        if backend == "auto" and device.type == "cuda":
+            log_reference_path(device, "Triton missing or older than supported")
         return _TORCH_OPS
     if not triton_usable(device):
         raise RuntimeError(
