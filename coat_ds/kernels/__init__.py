@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from . import reference
+from . import host, reference
 from .fp8 import E4M3, E5M2, Fp8Format, get_format, kernel_isa, log_reference_path, set_fp8_conversions, triton_usable
 from .layout import AdamWHyper, AdamWSlot, GroupLayout, QuantizedGroups, group_layout
 
@@ -37,8 +37,9 @@ def _triton_ops() -> SimpleNamespace:
                            cast_fp8=quantize.cast_fp8)
 
 
+# The reference step, chunked on host tensors (ZeRO-Offload): see host.py.
 _TORCH_OPS = SimpleNamespace(name="torch", quantize_groups=reference.quantize_groups,
-                             dequantize_groups=reference.dequantize_groups, adamw_step=reference.adamw_step,
+                             dequantize_groups=reference.dequantize_groups, adamw_step=host.adamw_step,
                              cast_fp8=reference.cast_fp8)
 
 
