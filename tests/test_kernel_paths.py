@@ -44,7 +44,7 @@ def test_cuda_without_usable_triton_gets_the_reference(monkeypatch, caplog, vers
         assert get_act_ops(cuda).name == "torch"
         get_ops(cuda)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("coat_ds kernels on cuda")]
-    assert lines == ["coat_ds kernels on cuda: torch reference (Triton missing or older than supported)"]
+    assert lines == ["coat_ds kernels on cuda: torch reference (Triton missing or older than 3.6)"]
     with pytest.raises(RuntimeError, match="backend='triton'"):
         get_ops(cuda, "triton")
 

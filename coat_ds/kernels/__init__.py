@@ -49,8 +49,7 @@ def get_ops(device: torch.device, backend: str = "auto") -> SimpleNamespace:
     under TRITON_INTERPRET=1). Which FP8 conversions the Triton kernels use is chosen per
     device by `kernel_isa`."""
     if backend == "torch" or (backend == "auto" and (device.type != "cuda" or not triton_usable(device))):
-        if backend == "auto" and device.type == "cuda":
-            log_reference_path(device, "Triton missing or older than supported")
+        log_reference_path(device, backend)
         return _TORCH_OPS
     if not triton_usable(device):
         raise RuntimeError(

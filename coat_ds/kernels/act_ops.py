@@ -34,8 +34,7 @@ def get_act_ops(device: torch.device, backend: str = "auto") -> SimpleNamespace:
     """Activation kernels for tensors on `device`: "triton", "torch" or "auto" (Triton on CUDA,
     the reference elsewhere; CPU reaches Triton only with backend="triton" under TRITON_INTERPRET=1)."""
     if backend == "torch" or (backend == "auto" and (device.type != "cuda" or not triton_usable(device))):
-        if backend == "auto" and device.type == "cuda":
-            log_reference_path(device, "Triton missing or older than supported")
+        log_reference_path(device, backend)
         return _TORCH_ACT_OPS
     if not triton_usable(device):
         raise RuntimeError(f"backend='triton' cannot run on {device.type} tensors"

@@ -175,6 +175,9 @@ def kernel_isa(device: torch.device) -> int:
     return isa
 
 
-def log_reference_path(device: torch.device, why: str) -> None:
-    """The one line saying that CUDA tensors get the torch reference kernels."""
+def log_reference_path(device: torch.device, backend: str) -> None:
+    """The one line saying that tensors on `device` get the torch reference kernels, and why."""
+    why = ("backend='torch'" if backend == "torch" else
+           f"Triton missing or older than {TRITON_MIN[0]}.{TRITON_MIN[1]}" if device.type == "cuda" else
+           f"{device.type} tensors")
     _once((device.type, device.index, "torch"), f"coat_ds kernels on {device.type}: torch reference ({why})")
