@@ -55,7 +55,7 @@ def _moment_part(mom, rows: int, cols: int, r: slice, c: slice, gs: slice):
     return _rows_view(mom, rows, cols)[r, c]
 
 
-def chunk_slots(slot: AdamWSlot, group_size: int, chunk_elems: int = HOST_CHUNK_ELEMS) -> list[AdamWSlot]:
+def chunk_slots(slot: AdamWSlot, group_size: int, chunk_elems: int) -> list[AdamWSlot]:
     """`slot` cut into contiguous views of whole groups (a row's short last group included),
     about `chunk_elems` elements each: runs of whole rows, or pieces of one row when a row is
     longer than a chunk. Every group lies in exactly one chunk."""
@@ -85,9 +85,10 @@ def chunk_slots(slot: AdamWSlot, group_size: int, chunk_elems: int = HOST_CHUNK_
 
 def adamw_step(slots: list[AdamWSlot], hyper: AdamWHyper, *, group_size: int = 128, fmt_m="e4m3",
                fmt_v="e4m3", dre: bool = True, skipped: torch.Tensor | None = None,
-               plan_cache: dict | None = None, chunk_elems: int = HOST_CHUNK_ELEMS) -> None:
+               plan_cache: dict | None = None, chunk_elems: int | None = None) -> None:
     """`reference.adamw_step`, chunk by chunk for contiguous host tensors (same signature;
-    other tensors go to the reference whole)."""
+    other tensors go to the reference whole). `chunk_elems` defaults to `HOST_CHUNK_ELEMS`."""
+    chunk_elems = chunk_elems or HOST_CHUNK_ELEMS
     whole, parts = [], []
     for s in slots:
         host = all(t.device.type == "cpu" and t.is_contiguous() for t in (s.param, s.grad))
