@@ -168,7 +168,8 @@ def kernel_isa(device: torch.device) -> int:
     if isa is None:
         cap = None
         if device.type == "cuda":
-            cap = torch.cuda.get_device_capability(device.index if device.index is not None else torch.cuda.current_device())
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            cap = torch.cuda.get_device_capability(index)
         isa = _ISA[key] = select_isa(cap, torch.version.hip is not None, _fp8_mode() == "portable")
         where = f"{device.type}" + (f", compute capability {cap[0]}.{cap[1]}" if cap else "")
         _once((key, isa), f"coat_ds kernels on {where}: {PATH_NAMES[isa]}")
