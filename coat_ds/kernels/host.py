@@ -17,6 +17,7 @@ each of them.
 """
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -31,6 +32,8 @@ HOST_CHUNK_ELEMS = 1 << 15
 
 _pool: list = [None, 0]
 _pool_lock = threading.Lock()
+# A forked child inherits the pool object but none of its threads.
+os.register_at_fork(after_in_child=lambda: _pool.__setitem__(slice(None), [None, 0]))
 
 
 def _executor(workers: int) -> ThreadPoolExecutor:
