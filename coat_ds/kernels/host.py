@@ -45,17 +45,13 @@ def _executor(workers: int) -> ThreadPoolExecutor:
         return _pool[0]
 
 
-def _rows_view(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    return t.view(rows, cols)
-
-
 def _moment_part(mom, rows: int, cols: int, r: slice, c: slice, gs: slice):
     """The part of a moment (FP32 tensor or QuantizedGroups) covering rows `r`, columns `c`
     (groups `gs`) of its (rows, cols) view."""
     if isinstance(mom, QuantizedGroups):
-        return QuantizedGroups(_rows_view(mom.codes, rows, cols)[r, c], mom.center[r, gs], mom.kcode[r, gs],
+        return QuantizedGroups(mom.codes.view(rows, cols)[r, c], mom.center[r, gs], mom.kcode[r, gs],
                                mom.sexp[r, gs])
-    return _rows_view(mom, rows, cols)[r, c]
+    return mom.view(rows, cols)[r, c]
 
 
 def chunk_slots(slot: AdamWSlot, group_size: int, chunk_elems: int) -> list[AdamWSlot]:
@@ -66,7 +62,7 @@ def chunk_slots(slot: AdamWSlot, group_size: int, chunk_elems: int) -> list[Adam
     if lay.num_groups == 0:
         return []
     rows, cols = lay.rows, lay.cols
-    p, g = _rows_view(slot.param, rows, cols), _rows_view(slot.grad, rows, cols)
+    p, g = slot.param.view(rows, cols), slot.grad.view(rows, cols)
     out = []
 
     def add(r: slice, c: slice, gs: slice):
@@ -102,8 +98,8 @@ def adamw_step(slots: list[AdamWSlot], hyper: AdamWHyper, *, group_size: int = 1
     kw = dict(group_size=group_size, fmt_m=fmt_m, fmt_v=fmt_v, dre=dre)
     if whole:
         reference.adamw_step(whole, hyper, **kw, skipped=skipped)
-    workers = min(torch.get_num_threads(), len(parts))
-    if workers <= 1:
+    workers = torch.get_num_threads()
+    if workers <= 1 or len(parts) <= 1:
         for part in parts:
             reference.adamw_step([part], hyper, **kw, skipped=skipped)
         return
