@@ -1,10 +1,12 @@
 """Optimizer-step benchmark: CoatAdamW vs torch.optim.AdamW(fused=True), side by side.
 
-    python bench/optim_step.py [--numel 1.345e9] [--iters 20] [--out results.json]
+    python bench/optim_step.py [--numel 1.345e9] [--iters 20] [--out results.json] [--portable]
 
 Times (CUDA events, median) one step on (a) one flat FP32 tensor, what ZeRO hands an
 optimizer, and (b) a Llama-1.3B-shaped list of 219 tensors; prints ms/step, state bytes per
 parameter and achieved bandwidth against a device-to-device copy measured in the same run.
+--portable adds CoatAdamW with the portable FP8 coding forced (what GPUs before compute
+capability 8.9 run) and prints its time against the hardware conversions' (target <= 1.3x).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from coat_ds import CoatAdamW  # noqa: E402
+from coat_ds.kernels import set_fp8_conversions  # noqa: E402
 
 
 def llama_shapes(hidden=2048, layers=24, ffn=5504, vocab=32000) -> list[tuple[int, ...]]:
@@ -61,12 +64,16 @@ def run_case(name: str, shapes, opt_name: str, iters: int) -> dict:
         opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
     else:
         opt = CoatAdamW(params, lr=1e-4, weight_decay=0.01)
-    opt.step()  # allocate state, compile
-    torch.cuda.synchronize()
-    if opt_name == "coat":
-        torch.cuda.set_sync_debug_mode("error")  # a host sync inside step() raises
-    ms = time_ms(opt.step, iters)
-    torch.cuda.set_sync_debug_mode("default")
+    set_fp8_conversions("portable" if opt_name == "coat_portable" else "auto")
+    try:
+        opt.step()  # allocate state, compile
+        torch.cuda.synchronize()
+        if opt_name.startswith("coat"):
+            torch.cuda.set_sync_debug_mode("error")  # a host sync inside step() raises
+        ms = time_ms(opt.step, iters)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        set_fp8_conversions(None)
     numel = sum(p.numel() for p in params)
     state = sum(t.numel() * t.element_size() for s in opt.state.values() for k, t in s.items()
                 if torch.is_tensor(t) and k != "step")
@@ -96,6 +103,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=None)
     ap.add_argument("--sweep", action="store_true", help="time launch shapes on the flat case first")
+    ap.add_argument("--portable", action="store_true",
+                    help="also time CoatAdamW with the portable (software) FP8 coding forced")
     args = ap.parse_args()
     if args.sweep:
         sweep([(int(args.numel),)], args.iters)
@@ -103,7 +112,7 @@ def main() -> None:
     rows = []
     cases = [("flat", [(int(args.numel),)]), ("llama-1.3B list", llama_shapes())]
     for name, shapes in cases:
-        for opt_name in ("torch_fused", "coat"):
+        for opt_name in ("torch_fused", "coat") + (("coat_portable",) if args.portable else ()):
             rows.append(run_case(name, shapes, opt_name, args.iters))
             print(rows[-1], flush=True)
     flat_coat = next(r["ms"] for r in rows if r["case"] == "flat" and r["optimizer"] == "coat")
@@ -111,7 +120,7 @@ def main() -> None:
     print("| case | optimizer | tensors | ms/step | state B/param | bytes moved/param | achieved TB/s | % of copy | vs fused AdamW |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        moved = 16.0 if r["optimizer"] == "coat" else 28.0  # p r/w 8 + g 4 + moments r/w
+        moved = 16.0 if r["optimizer"].startswith("coat") else 28.0  # p r/w 8 + g 4 + moments r/w
         tbs = moved * r["numel"] / r["ms"] / 1e9
         base = next(x["ms"] for x in rows if x["case"] == r["case"] and x["optimizer"] == "torch_fused")
         r.update(bytes_moved_per_param=moved, achieved_tbs=tbs, copy_tbs=bw, speedup_vs_fused=base / r["ms"])
@@ -121,6 +130,15 @@ def main() -> None:
     list_coat = next(r["ms"] for r in rows if r["case"] != "flat" and r["optimizer"] == "coat")
     print(f"\nbandwidth floor (16 B/param at copy speed): {floor_ms:.2f} ms; flat CoatAdamW at "
           f"{flat_coat / floor_ms:.2f}x the floor; list/flat = {list_coat / flat_coat:.2f}")
+    if args.portable:
+        print(f"\ncompute capability {'.'.join(map(str, torch.cuda.get_device_capability()))}; "
+              "portable FP8 coding vs hardware conversions (target <= 1.30x):")
+        print("| case | hardware ms | portable ms | portable / hardware |")
+        print("|---|---|---|---|")
+        for case, _ in cases:
+            hw = next(r["ms"] for r in rows if r["case"] == case and r["optimizer"] == "coat")
+            sw = next(r["ms"] for r in rows if r["case"] == case and r["optimizer"] == "coat_portable")
+            print(f"| {case} | {hw:.2f} | {sw:.2f} | {sw / hw:.2f}x |")
     if args.out:
         Path(args.out).write_text(json.dumps({"copy_tbs": bw, "rows": rows}, indent=1))
 

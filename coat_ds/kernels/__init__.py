@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import torch
 
-from . import reference
-from .fp8 import E4M3, E5M2, Fp8Format, get_format, triton_usable
+from . import host, reference
+from .fp8 import E4M3, E5M2, Fp8Format, get_format, kernel_isa, log_reference_path, set_fp8_conversions, triton_usable
 from .layout import AdamWHyper, AdamWSlot, GroupLayout, QuantizedGroups, group_layout
 
 __all__ = [
@@ -19,6 +19,8 @@ __all__ = [
     "Fp8Format",
     "get_format",
     "triton_usable",
+    "kernel_isa",
+    "set_fp8_conversions",
     "AdamWHyper",
     "AdamWSlot",
     "GroupLayout",
@@ -35,16 +37,19 @@ def _triton_ops() -> SimpleNamespace:
                            cast_fp8=quantize.cast_fp8)
 
 
+# The reference step, chunked on host tensors (ZeRO-Offload): see host.py.
 _TORCH_OPS = SimpleNamespace(name="torch", quantize_groups=reference.quantize_groups,
-                             dequantize_groups=reference.dequantize_groups, adamw_step=reference.adamw_step,
+                             dequantize_groups=reference.dequantize_groups, adamw_step=host.adamw_step,
                              cast_fp8=reference.cast_fp8)
 
 
 def get_ops(device: torch.device, backend: str = "auto") -> SimpleNamespace:
     """Kernels for tensors on `device`: "triton", "torch" (reference) or "auto" (Triton on
     CUDA, the reference elsewhere; CPU tensors reach Triton only through backend="triton"
-    under TRITON_INTERPRET=1)."""
+    under TRITON_INTERPRET=1). Which FP8 conversions the Triton kernels use is chosen per
+    device by `kernel_isa`."""
     if backend == "torch" or (backend == "auto" and (device.type != "cuda" or not triton_usable(device))):
+        log_reference_path(device, backend)
         return _TORCH_OPS
     if not triton_usable(device):
         raise RuntimeError(

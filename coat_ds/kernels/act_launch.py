@@ -22,9 +22,17 @@ tensors) every call goes through `JITFunction`."""
 from __future__ import annotations
 
 import torch
-from triton import knobs
 
-__all__ = ["launch"]
+from .fp8 import triton_version
+
+__all__ = ["launch", "DIRECT_LAUNCH"]
+
+DIRECT_LAUNCH = ((3, 6), (3, 9))
+if triton_version() in DIRECT_LAUNCH:
+    from triton import knobs
+    _runtime = knobs.runtime
+else:
+    _runtime = None
 
 _COMPILED: dict = {}
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -62,8 +70,8 @@ def launch(fn, n_prog: int, args: tuple, consts: tuple, num_warps: int) -> None:
     if kernel is None:
         _COMPILED[key] = fn[(n_prog, 1, 1)](*args, *consts, num_warps=num_warps)
         return
-    rt = knobs.runtime
-    if _raw_stream is None or _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook):
+    rt = _runtime
+    if rt is None or _raw_stream is None or _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook):
         kernel[(n_prog, 1, 1)](*args, *consts)
         return
     kernel.run(n_prog, 1, 1, _raw_stream(_current_device()), kernel.function, kernel.packed_metadata, None, None,

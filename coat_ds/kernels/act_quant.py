@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .codec import decode_fp8, encode_fp8, pow2, scale_exponent
 from .act_launch import launch
-from .fp8 import get_format
+from .fp8 import get_format, kernel_isa
 
 __all__ = ["quantize_tensor", "dequantize_tensor", "quantize_rows", "dequantize_rows", "BLOCK_ELEMS"]
 
@@ -63,7 +63,7 @@ def _absmax_kernel(x_ptr, amax_bits_ptr, n, BLOCK: tl.constexpr):
 
 @triton.jit
 def _quantize_tensor_kernel(x_ptr, amax_bits_ptr, exp_ptr, codes_ptr, n, FMT: tl.constexpr, BLOCK: tl.constexpr,
-                            HW: tl.constexpr):
+                            ISA: tl.constexpr):
     pid = tl.program_id(0)
     base = pid.to(tl.int64) * BLOCK
     offs = tl.arange(0, BLOCK)
@@ -72,17 +72,17 @@ def _quantize_tensor_kernel(x_ptr, amax_bits_ptr, exp_ptr, codes_ptr, n, FMT: tl
     e = _scale_exponent(tl.load(amax_bits_ptr).to(tl.float32, bitcast=True), FMT)
     if pid == 0:
         tl.store(exp_ptr, e)
-    tl.store(codes_ptr + base + offs, encode_fp8(x * pow2(-e), FMT, HW), mask=mask)
+    tl.store(codes_ptr + base + offs, encode_fp8(x * pow2(-e), FMT, ISA), mask=mask)
 
 
 @triton.jit
 def _dequantize_tensor_kernel(codes_ptr, exp_ptr, out_ptr, n, out_max, FMT: tl.constexpr, BLOCK: tl.constexpr,
-                              HW: tl.constexpr):
+                              ISA: tl.constexpr):
     base = tl.program_id(0).to(tl.int64) * BLOCK
     offs = tl.arange(0, BLOCK)
     mask = offs < n - base
     e = tl.load(exp_ptr)
-    x = decode_fp8(tl.load(codes_ptr + base + offs, mask=mask, other=0), FMT, HW) * pow2(e)
+    x = decode_fp8(tl.load(codes_ptr + base + offs, mask=mask, other=0), FMT, ISA) * pow2(e)
     # Rounding up at the top of the fp32/fp16 range could overflow; keep results finite.
     x = tl.minimum(tl.maximum(x, -out_max), out_max)
     tl.store(out_ptr + base + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
@@ -122,34 +122,34 @@ def _row_base(g0, cols, gpr, G: tl.constexpr, EVEN: tl.constexpr):
 @triton.jit
 def _quantize_rows_kernel(x_ptr, codes_ptr, exp_ptr, n_groups, cols, gpr,
                           FMT: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, EVEN: tl.constexpr,
-                          HW: tl.constexpr):
+                          ISA: tl.constexpr):
     g0 = tl.program_id(0).to(tl.int64) * BG
     offs, valid, gl = _row_group_offsets(g0, n_groups, cols, gpr, G, BG, EVEN)
     base = _row_base(g0, cols, gpr, G, EVEN)
     x = tl.load(x_ptr + base + offs, mask=valid, other=0.0).to(tl.float32)
     e = _scale_exponent(tl.max(tl.abs(x), axis=1), FMT)
-    tl.store(codes_ptr + base + offs, encode_fp8(x * pow2(-e)[:, None], FMT, HW), mask=valid)
+    tl.store(codes_ptr + base + offs, encode_fp8(x * pow2(-e)[:, None], FMT, ISA), mask=valid)
     tl.store(exp_ptr + g0 + gl, e.to(tl.int8), mask=gl < n_groups - g0)
 
 
 @triton.jit
 def _dequantize_rows_kernel(codes_ptr, exp_ptr, out_ptr, n_groups, cols, gpr, out_max,
                             FMT: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, EVEN: tl.constexpr,
-                            HW: tl.constexpr):
+                            ISA: tl.constexpr):
     g0 = tl.program_id(0).to(tl.int64) * BG
     offs, valid, gl = _row_group_offsets(g0, n_groups, cols, gpr, G, BG, EVEN)
     base = _row_base(g0, cols, gpr, G, EVEN)
     e = tl.load(exp_ptr + g0 + gl, mask=gl < n_groups - g0, other=0).to(tl.int32)
-    x = decode_fp8(tl.load(codes_ptr + base + offs, mask=valid, other=0), FMT, HW) * pow2(e)[:, None]
+    x = decode_fp8(tl.load(codes_ptr + base + offs, mask=valid, other=0), FMT, ISA) * pow2(e)[:, None]
     x = tl.minimum(tl.maximum(x, -out_max), out_max)
     tl.store(out_ptr + base + offs, x.to(out_ptr.dtype.element_ty), mask=valid)
 
 
-def _check(x: torch.Tensor) -> bool:
-    """True when compiled for a GPU (hardware FP8 casts), False under the interpreter."""
+def _check(x: torch.Tensor) -> int:
+    """The kernels' ISA constexpr for x's device (see fp8.py)."""
     if not x.is_contiguous():
         raise ValueError("activation kernels take contiguous tensors")
-    return x.is_cuda
+    return kernel_isa(x.device)
 
 
 def _rows(shape, numel: int, group_size: int) -> tuple[int, int, int]:
@@ -161,7 +161,7 @@ def _rows(shape, numel: int, group_size: int) -> tuple[int, int, int]:
 
 def quantize_tensor(x: torch.Tensor, fmt="e4m3") -> tuple[torch.Tensor, torch.Tensor]:
     """Per-tensor FP8: (uint8 codes shaped like x, int32 exponent e of shape ()); x ~ q * 2**e."""
-    hw = _check(x)
+    isa = _check(x)
     fmt_id = get_format(fmt).id
     n = x.numel()
     codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
@@ -171,26 +171,26 @@ def quantize_tensor(x: torch.Tensor, fmt="e4m3") -> tuple[torch.Tensor, torch.Te
     n_prog = max(1, triton.cdiv(n, BLOCK_ELEMS))
     if n:
         launch(_absmax_kernel, n_prog, (x, scratch, n), (BLOCK_ELEMS,), _NUM_WARPS)
-    launch(_quantize_tensor_kernel, n_prog, (x, scratch, exp, codes, n), (fmt_id, BLOCK_ELEMS, hw), _NUM_WARPS)
+    launch(_quantize_tensor_kernel, n_prog, (x, scratch, exp, codes, n), (fmt_id, BLOCK_ELEMS, isa), _NUM_WARPS)
     return codes, exp
 
 
 def dequantize_tensor(codes: torch.Tensor, exp: torch.Tensor, fmt="e4m3",
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of `quantize_tensor`, written in `dtype`."""
-    hw = _check(codes)
+    isa = _check(codes)
     out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
     n = codes.numel()
     if n:
         launch(_dequantize_tensor_kernel, triton.cdiv(n, BLOCK_ELEMS), (codes, exp, out, n, _out_max(dtype)),
-               (get_format(fmt).id, BLOCK_ELEMS, hw), _NUM_WARPS)
+               (get_format(fmt).id, BLOCK_ELEMS, isa), _NUM_WARPS)
     return out
 
 
 def quantize_rows(x: torch.Tensor, group_size: int = 16, fmt="e4m3") -> tuple[torch.Tensor, torch.Tensor]:
     """Per-group FP8 along the last dim: (uint8 codes shaped like x, int8 exponents of shape
     (rows, ceil(cols / G))); a short last group per row is padded with zeros."""
-    hw = _check(x)
+    isa = _check(x)
     rows, cols, gpr = _rows(x.shape, x.numel(), group_size)
     codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     exps = torch.empty((rows, gpr), dtype=torch.int8, device=x.device)
@@ -198,14 +198,14 @@ def quantize_rows(x: torch.Tensor, group_size: int = 16, fmt="e4m3") -> tuple[to
     if n_groups:
         bg = max(1, BLOCK_ELEMS // group_size)
         launch(_quantize_rows_kernel, triton.cdiv(n_groups, bg), (x, codes, exps, n_groups, cols, gpr),
-               (get_format(fmt).id, group_size, bg, cols % group_size == 0, hw), _NUM_WARPS)
+               (get_format(fmt).id, group_size, bg, cols % group_size == 0, isa), _NUM_WARPS)
     return codes, exps
 
 
 def dequantize_rows(codes: torch.Tensor, exps: torch.Tensor, group_size: int = 16, fmt="e4m3",
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of `quantize_rows`, written in `dtype`."""
-    hw = _check(codes)
+    isa = _check(codes)
     rows, cols, gpr = _rows(codes.shape, codes.numel(), group_size)
     out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
     n_groups = rows * gpr
@@ -213,5 +213,5 @@ def dequantize_rows(codes: torch.Tensor, exps: torch.Tensor, group_size: int = 1
         bg = max(1, BLOCK_ELEMS // group_size)
         launch(_dequantize_rows_kernel, triton.cdiv(n_groups, bg), (codes, exps, out, n_groups, cols, gpr,
                                                                     _out_max(dtype)),
-               (get_format(fmt).id, group_size, bg, cols % group_size == 0, hw), _NUM_WARPS)
+               (get_format(fmt).id, group_size, bg, cols % group_size == 0, isa), _NUM_WARPS)
     return out

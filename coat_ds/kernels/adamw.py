@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .codec import dequantize_tile, quantize_tile, rcp, round_to_bf16
-from .fp8 import K_ONE, get_format
+from .fp8 import K_ONE, get_format, kernel_isa
 from .layout import AdamWHyper, AdamWSlot, QuantizedGroups, group_layout
 from .quantize import _group_offsets, tile_shape
 
@@ -50,13 +50,13 @@ def _ptr(row, i, DTYPE_ID: tl.constexpr, ALIGNED: tl.constexpr):
 
 @triton.jit
 def _load_moment(row, base: tl.constexpr, offs, valid, gi, gmask, QUANT: tl.constexpr, FMT: tl.constexpr,
-                 ALIGNED: tl.constexpr, HW: tl.constexpr):
+                 ALIGNED: tl.constexpr, ISA: tl.constexpr):
     if QUANT:
         codes = tl.load(_ptr(row, base, 3, ALIGNED) + offs, mask=valid, other=0)
         center = tl.load(_ptr(row, base + 1, 0, ALIGNED) + gi, mask=gmask, other=1.0)
         kcode = tl.load(_ptr(row, base + 2, 3, ALIGNED) + gi, mask=gmask, other=16)
         sexp = tl.load(_ptr(row, base + 3, 4, ALIGNED) + gi, mask=gmask, other=0)
-        return dequantize_tile(codes, center, kcode, sexp, FMT, HW)
+        return dequantize_tile(codes, center, kcode, sexp, FMT, ISA)
     else:
         return tl.load(_ptr(row, base, 0, ALIGNED) + offs, mask=valid, other=0.0)
 
@@ -64,9 +64,9 @@ def _load_moment(row, base: tl.constexpr, offs, valid, gi, gmask, QUANT: tl.cons
 @triton.jit
 def _store_moment(row, base: tl.constexpr, new, offs, valid, gi, gmask,
                   QUANT: tl.constexpr, FMT: tl.constexpr, DRE: tl.constexpr, DRE_KNUM: tl.constexpr,
-                  ALIGNED: tl.constexpr, HW: tl.constexpr):
+                  ALIGNED: tl.constexpr, ISA: tl.constexpr):
     if QUANT:
-        codes, center, kcode, sexp = quantize_tile(new, FMT, DRE, DRE_KNUM, HW)
+        codes, center, kcode, sexp = quantize_tile(new, FMT, DRE, DRE_KNUM, ISA)
         tl.store(_ptr(row, base, 3, ALIGNED) + offs, codes, mask=valid)
         tl.store(_ptr(row, base + 1, 0, ALIGNED) + gi, center, mask=gmask)
         tl.store(_ptr(row, base + 2, 3, ALIGNED) + gi, kcode, mask=gmask)
@@ -82,7 +82,7 @@ def _adamw_kernel(table_ptr, blocks_ptr, skipped_ptr,
                   FMT_M: tl.constexpr, FMT_V: tl.constexpr, DRE: tl.constexpr,
                   KNUM_M: tl.constexpr, KNUM_V: tl.constexpr,
                   G: tl.constexpr, BG: tl.constexpr, TABLE_COLS: tl.constexpr, ALIGNED: tl.constexpr,
-                  HW: tl.constexpr):
+                  ISA: tl.constexpr):
     pid = tl.program_id(0)
     t = tl.load(blocks_ptr + 2 * pid).to(tl.int64)
     g0 = tl.load(blocks_ptr + 2 * pid + 1)
@@ -97,8 +97,8 @@ def _adamw_kernel(table_ptr, blocks_ptr, skipped_ptr,
     p_ptr = _ptr(row, 0, P_DTYPE, ALIGNED)
     p = tl.load(p_ptr + offs, mask=valid, other=0.0).to(tl.float32)
     g = tl.load(_ptr(row, 1, G_DTYPE, ALIGNED) + offs, mask=valid, other=0.0).to(tl.float32)
-    m = _load_moment(row, 2, offs, valid, gi, gmask, QUANT, FMT_M, ALIGNED, HW)
-    v = _load_moment(row, 6, offs, valid, gi, gmask, QUANT, FMT_V, ALIGNED, HW)
+    m = _load_moment(row, 2, offs, valid, gi, gmask, QUANT, FMT_M, ALIGNED, ISA)
+    v = _load_moment(row, 6, offs, valid, gi, gmask, QUANT, FMT_V, ALIGNED, ISA)
 
     m = beta1 * m + (1.0 - beta1) * g
     v = beta2 * v + (1.0 - beta2) * (g * g)
@@ -106,15 +106,15 @@ def _adamw_kernel(table_ptr, blocks_ptr, skipped_ptr,
     # inf gradient makes v NaN or inf, and so does a finite one whose square overflows.
     ok = tl.min(((v < float("inf")) & (tl.abs(m) < float("inf"))).to(tl.int32), axis=1) > 0
     denom = tl.sqrt(v) * inv_bc2_sqrt + eps
-    p_new = p * decay - step_size * (m * rcp(denom, HW))
+    p_new = p * decay - step_size * (m * rcp(denom, ISA))
 
     if P_DTYPE == 1:
         p_new = round_to_bf16(p_new)
     keep = valid & ok[:, None]
     gkeep = gmask & ok
     tl.store(p_ptr + offs, p_new.to(p_ptr.dtype.element_ty), mask=keep)
-    _store_moment(row, 2, m, offs, keep, gi, gkeep, QUANT, FMT_M, DRE, KNUM_M, ALIGNED, HW)
-    _store_moment(row, 6, v, offs, keep, gi, gkeep, QUANT, FMT_V, DRE, KNUM_V, ALIGNED, HW)
+    _store_moment(row, 2, m, offs, keep, gi, gkeep, QUANT, FMT_M, DRE, KNUM_M, ALIGNED, ISA)
+    _store_moment(row, 6, v, offs, keep, gi, gkeep, QUANT, FMT_V, DRE, KNUM_V, ALIGNED, ISA)
     n_bad = tl.sum((gmask & ~ok).to(tl.int32), axis=0)
     if n_bad > 0:
         tl.atomic_add(skipped_ptr, n_bad.to(tl.int64))
@@ -209,5 +209,5 @@ def adamw_step(slots: list[AdamWSlot], hyper: AdamWHyper, *, group_size: int = 1
         P_DTYPE=_DTYPE_IDS[slots[0].param.dtype], G_DTYPE=_DTYPE_IDS[slots[0].grad.dtype], QUANT=quant,
         FMT_M=fm.id, FMT_V=fv.id, DRE=dre, KNUM_M=K_ONE * fm.dre_log2_range,
         KNUM_V=K_ONE * fv.dre_log2_range, G=group_size, BG=plan.bg, TABLE_COLS=_TABLE_COLS, ALIGNED=plan.aligned,
-        HW=device.type == "cuda",
+        ISA=kernel_isa(device),
         num_warps=STEP_WARPS)

@@ -1,11 +1,16 @@
 """Triton device functions shared by every kernel: FP8 encode/decode and group (de)quantization.
 
-Every function takes a constexpr HW: True when compiled for a GPU, False under Triton's
-interpreter. On the GPU, FP8 casts use the hardware's saturating round-to-nearest-even
-conversions and log2 the special-function unit (a precise log2 costs ~20 instructions and
-made the optimizer step compute-bound). The interpreter mis-rounds FP8 casts (ties away
-from even, subnormals truncated), so there the casts are integer bit operations that round
-exactly like the hardware and torch. Formats are constexpr ints: 0 = E4M3, 1 = E5M2.
+Every function takes a constexpr ISA (see fp8.py) saying what the compiled code may use:
+- ISA_NVIDIA_FP8 (2, compute capability 8.9+): the hardware's saturating round-to-nearest-
+  even FP8 conversions, and log2/exp2/rcp from the special-function unit (a precise log2
+  costs ~20 instructions and made the optimizer step compute-bound);
+- ISA_NVIDIA (1, older NVIDIA GPUs, or forced): the same special functions, FP8 coded in
+  integer bit operations. Those round exactly like the hardware conversion, so codes are
+  bit-identical to ISA 2's (tests/test_kernel_paths.py checks it on a GPU);
+- ISA_GENERIC (0, the interpreter and ROCm): no inline PTX at all; precise log2/exp2 and
+  the integer FP8 coding (the interpreter's own FP8 casts mis-round: ties away from even,
+  subnormals truncated).
+Formats are constexpr ints: 0 = E4M3, 1 = E5M2.
 """
 import triton
 import triton.language as tl
@@ -26,33 +31,33 @@ def _sfu(x, ASM: tl.constexpr):
 
 
 @triton.jit
-def log2(x, HW: tl.constexpr):
-    if HW:
+def log2(x, ISA: tl.constexpr):
+    if ISA >= 1:
         return _sfu(x, "lg2.approx.ftz.f32 $0, $1;")
     else:
         return tl.log2(x)
 
 
 @triton.jit
-def exp2(x, HW: tl.constexpr):
-    if HW:
+def exp2(x, ISA: tl.constexpr):
+    if ISA >= 1:
         return _sfu(x, "ex2.approx.ftz.f32 $0, $1;")
     else:
         return tl.exp2(x)
 
 
 @triton.jit
-def rcp(x, HW: tl.constexpr):
-    if HW:
+def rcp(x, ISA: tl.constexpr):
+    if ISA >= 1:
         return _sfu(x, "rcp.approx.ftz.f32 $0, $1;")
     else:
         return 1.0 / x
 
 
 @triton.jit
-def encode_fp8(x, FMT: tl.constexpr, HW: tl.constexpr):
+def encode_fp8(x, FMT: tl.constexpr, ISA: tl.constexpr):
     """float32 -> uint8 FP8 code, round to nearest even, saturating at the format's max."""
-    if HW:
+    if ISA == 2:
         # Hopper's saturating conversion, four floats to four codes per instruction pair.
         # (Triton 3.6's own `.to(tl.float8e4nv)` returned wrong codes here on an H100.)
         if FMT == 0:
@@ -69,9 +74,9 @@ def encode_fp8(x, FMT: tl.constexpr, HW: tl.constexpr):
 
 
 @triton.jit
-def decode_fp8(code, FMT: tl.constexpr, HW: tl.constexpr):
+def decode_fp8(code, FMT: tl.constexpr, ISA: tl.constexpr):
     """uint8 FP8 code -> float32 (no NaN/inf codes are ever written)."""
-    if HW:
+    if ISA == 2:
         if FMT == 0:
             return code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else:
@@ -153,26 +158,27 @@ def scale_exponent(ymax, FMT: tl.constexpr):
 
 
 @triton.jit
-def quantize_tile(x, FMT: tl.constexpr, DRE: tl.constexpr, DRE_KNUM: tl.constexpr, HW: tl.constexpr):
+def quantize_tile(x, FMT: tl.constexpr, DRE: tl.constexpr, DRE_KNUM: tl.constexpr, ISA: tl.constexpr):
     """Quantize a [groups, G] float32 tile, one group per row; masked lanes must hold 0.
 
     Returns (codes uint8, center f32, kcode uint8, sexp int8); see reference.quantize_groups.
     Per-group values come from the row's max and min: the largest y is the image of the
-    largest |x| under the same formula, so it needs no second reduction. On the GPU,
-    subnormal magnitudes count as zero (its log2 flushes them), so a group's min is clamped
-    to the smallest normal and a group of only subnormals is a zero group."""
+    largest |x| under the same formula, so it needs no second reduction. On NVIDIA GPUs
+    (ISA >= 1) subnormal magnitudes count as zero (the special-function log2 flushes them),
+    so a group's min is clamped to the smallest normal and a group of only subnormals is a
+    zero group."""
     a = tl.abs(x)
     amax = tl.max(a, axis=1)
     amin = tl.min(tl.where(a > 0, a, float("inf")), axis=1)
-    if HW:
+    if ISA >= 1:
         nonzero = amax >= 1.1754943508222875e-38
         amin = tl.maximum(amin, 1.1754943508222875e-38)
     else:
         nonzero = amax > 0
-    lmax = log2(amax, HW)
+    lmax = log2(amax, ISA)
     if DRE:
-        log2r = lmax - log2(amin, HW)
-        kf = tl.floor(DRE_KNUM * rcp(log2r, HW))
+        log2r = lmax - log2(amin, ISA)
+        kf = tl.floor(DRE_KNUM * rcp(log2r, ISA))
         kf = tl.where(log2r > 0, kf, 128.0)
         kf = tl.minimum(tl.maximum(kf, 1.0), 128.0)
         center = tl.where(amax == amin, amax, tl.sqrt(amax) * tl.sqrt(amin))
@@ -181,31 +187,31 @@ def quantize_tile(x, FMT: tl.constexpr, DRE: tl.constexpr, DRE_KNUM: tl.constexp
         center = amax
     kf = tl.where(nonzero, kf, 16.0)
     center = tl.where(nonzero, center, 1.0)
-    lc = log2(center, HW)
+    lc = log2(center, ISA)
     k = kf * 0.0625
-    if HW:
+    if ISA >= 1:
         # log2(0) = -inf and exp2(-inf) = 0: zeros need no select here.
-        y = exp2(k[:, None] * (log2(a, HW) - lc[:, None]), HW)
+        y = exp2(k[:, None] * (log2(a, ISA) - lc[:, None]), ISA)
     else:
-        y = tl.where(a > 0, exp2(k[:, None] * (log2(a, HW) - lc[:, None]), HW), 0.0)
-    ymax = tl.where(nonzero, exp2(k * (lmax - lc), HW), 1.0)
+        y = tl.where(a > 0, exp2(k[:, None] * (log2(a, ISA) - lc[:, None]), ISA), 0.0)
+    ymax = tl.where(nonzero, exp2(k * (lmax - lc), ISA), 1.0)
     sexp = tl.where(nonzero, scale_exponent(ymax, FMT), 0)
     q = y * pow2(-sexp)[:, None]
-    if not HW:
+    if ISA != 2:
         q = tl.minimum(q, fmt_max(FMT))  # the hardware conversion saturates by itself
     q = tl.where(x < 0, -q, q)
-    return encode_fp8(q, FMT, HW), center, kf.to(tl.uint8), sexp.to(tl.int8)
+    return encode_fp8(q, FMT, ISA), center, kf.to(tl.uint8), sexp.to(tl.int8)
 
 
 @triton.jit
-def dequantize_tile(codes, center, kcode, sexp, FMT: tl.constexpr, HW: tl.constexpr):
+def dequantize_tile(codes, center, kcode, sexp, FMT: tl.constexpr, ISA: tl.constexpr):
     """Inverse of quantize_tile on a [groups, G] tile of codes.
 
     |x| = 2 ** (log2(|q| * 2**e) / k + log2(c)): summing logs cannot overflow where a
     product of y ** (1/k) and c could; y == 1 (a constant group) returns c itself, exactly."""
-    q = decode_fp8(codes, FMT, HW)
+    q = decode_fp8(codes, FMT, ISA)
     y = tl.abs(q) * pow2(sexp.to(tl.int32))[:, None]
-    t = log2(y, HW) * (16.0 * rcp(kcode.to(tl.float32), HW))[:, None]
-    a = tl.where(t == 0.0, center[:, None], exp2(t + log2(center, HW)[:, None], HW))
+    t = log2(y, ISA) * (16.0 * rcp(kcode.to(tl.float32), ISA))[:, None]
+    a = tl.where(t == 0.0, center[:, None], exp2(t + log2(center, ISA)[:, None], ISA))
     a = tl.minimum(a, 3.4028234663852886e38)
     return tl.where(q < 0, -a, a)

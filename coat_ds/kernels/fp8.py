@@ -1,14 +1,17 @@
 """FP8 format constants shared by the Triton kernels and their pure-torch twins."""
 from __future__ import annotations
 
+import logging
 import math
 import os
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
-__all__ = ["Fp8Format", "E4M3", "E5M2", "get_format", "triton_usable", "K_ONE", "K_MAX_CODE", "GEMM_ALIGN"]
+__all__ = ["Fp8Format", "E4M3", "E5M2", "get_format", "triton_usable", "K_ONE", "K_MAX_CODE", "GEMM_ALIGN", "select_isa",
+           "kernel_isa", "set_fp8_conversions", "triton_version", "ISA_GENERIC", "ISA_NVIDIA", "ISA_NVIDIA_FP8"]
 
 # DRE exponents are stored as uint8 multiples of 1/16 (k = code / 16), which is why the
 # reference implementation rounds k down to a multiple of 1/16.
@@ -66,11 +69,46 @@ def get_format(name: str | Fp8Format) -> Fp8Format:
     return _FORMATS[key]
 
 
+# Triton versions this package declares: 3.6 is what the GPU runs use, 3.9 what CPU CI runs
+# under the interpreter. Older versions get the torch reference (an INFO line says so).
+TRITON_MIN = (3, 6)
+
+# What the compiled kernels may use, passed to each of them as the constexpr ISA.
+ISA_GENERIC = 0  # plain Triton (interpreter, ROCm): precise log2/exp2, FP8 coded in integer ops
+ISA_NVIDIA = 1  # NVIDIA PTX special-function approximations, FP8 coded in integer ops (portable FP8)
+ISA_NVIDIA_FP8 = 2  # NVIDIA compute capability 8.9+: also the hardware FP8 conversions (cvt ... e4m3x2)
+
+PATH_NAMES = {ISA_GENERIC: "Triton, portable FP8 (generic Triton, no PTX)",
+              ISA_NVIDIA: "Triton, portable FP8 (software encode/decode)",
+              ISA_NVIDIA_FP8: "Triton, hardware FP8 conversions"}
+
+_FP8_MODES = ("auto", "portable")
+FP8_ENV = "COAT_DS_FP8_CONVERSIONS"
+_log = logging.getLogger("coat_ds.kernels")
+
+
+def _version(v: str) -> tuple[int, int]:
+    parts = re.findall(r"\d+", v)[:2]
+    return (int(parts[0]), int(parts[1])) if len(parts) == 2 else (0, 0)
+
+
 @lru_cache(maxsize=None)
-def _triton_importable() -> bool:
+def triton_version() -> tuple[int, int] | None:
+    """(major, minor) of an importable Triton, None when there is none."""
     try:
-        import triton  # noqa: F401
+        import triton
     except Exception:
+        return None
+    return _version(getattr(triton, "__version__", "0.0"))
+
+
+def _triton_importable() -> bool:
+    v = triton_version()
+    if v is None:
+        return False
+    if v < TRITON_MIN:
+        _once(("old-triton", v), f"coat_ds: Triton {v[0]}.{v[1]} is older than the {TRITON_MIN[0]}.{TRITON_MIN[1]} "
+              "these kernels are tested with; using the torch reference kernels")
         return False
     return True
 
@@ -84,3 +122,65 @@ def triton_usable(device: torch.device) -> bool:
     if device.type == "cuda":
         return True
     return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def select_isa(capability: tuple[int, int] | None, hip: bool, force_portable: bool = False) -> int:
+    """The kernels' ISA for a device: `capability` of a CUDA device (None for CPU, under the
+    interpreter), `hip` for ROCm builds (no PTX at all). FP8 conversions are hardware ones
+    only from compute capability 8.9 on (Ada, Hopper, Blackwell), unless `force_portable`."""
+    if capability is None or hip:
+        return ISA_GENERIC
+    if tuple(capability) >= (8, 9) and not force_portable:
+        return ISA_NVIDIA_FP8
+    return ISA_NVIDIA
+
+
+_ISA: dict = {}
+_LOGGED: set = set()
+_forced: list[str | None] = [None]
+
+
+def _once(key, msg: str) -> None:
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        _log.info(msg)
+
+
+def set_fp8_conversions(mode: str | None) -> None:
+    """"portable" makes every CUDA kernel launched from now on code FP8 in software (as on
+    GPUs before compute capability 8.9), "auto" picks by capability, None defers to the
+    environment variable COAT_DS_FP8_CONVERSIONS (same values, default "auto")."""
+    if mode is not None and mode not in _FP8_MODES:
+        raise ValueError(f"FP8 conversions mode must be one of {_FP8_MODES} or None, got {mode!r}")
+    _forced[0] = mode
+    _ISA.clear()
+
+
+def _fp8_mode() -> str:
+    mode = _forced[0] or os.environ.get(FP8_ENV, "auto")
+    if mode not in _FP8_MODES:
+        raise ValueError(f"{FP8_ENV} must be one of {_FP8_MODES}, got {mode!r}")
+    return mode
+
+
+def kernel_isa(device: torch.device) -> int:
+    """The ISA constexpr for kernels on `device` (cached per device; logs the path once)."""
+    key = (device.type, device.index)
+    isa = _ISA.get(key)
+    if isa is None:
+        cap = None
+        if device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            cap = torch.cuda.get_device_capability(index)
+        isa = _ISA[key] = select_isa(cap, torch.version.hip is not None, _fp8_mode() == "portable")
+        where = f"{device.type}" + (f", compute capability {cap[0]}.{cap[1]}" if cap else "")
+        _once((key, isa), f"coat_ds kernels on {where}: {PATH_NAMES[isa]}")
+    return isa
+
+
+def log_reference_path(device: torch.device, backend: str) -> None:
+    """The one line saying that tensors on `device` get the torch reference kernels, and why."""
+    why = ("backend='torch'" if backend == "torch" else
+           f"Triton missing or older than {TRITON_MIN[0]}.{TRITON_MIN[1]}" if device.type == "cuda" else
+           f"{device.type} tensors")
+    _once((device.type, device.index, "torch"), f"coat_ds kernels on {device.type}: torch reference ({why})")

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from .act_launch import launch
 from .codec import encode_fp8, pow2, scale_exponent
-from .fp8 import GEMM_ALIGN, get_format
+from .fp8 import GEMM_ALIGN, get_format, kernel_isa
 
 __all__ = ["linear_quantize"]
 
@@ -42,7 +42,7 @@ def _finite_absmax_kernel(x_ptr, amax_bits_ptr, n, BLOCK: tl.constexpr):
 @triton.jit
 def _quantize_t_kernel(x_ptr, amax_bits_ptr, exp_ptr, codes_ptr, codes_t_ptr, M, K, MP, n_k,
                        FMT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, ROW: tl.constexpr,
-                       TRANS: tl.constexpr, HW: tl.constexpr):
+                       TRANS: tl.constexpr, ISA: tl.constexpr):
     pid = tl.program_id(0)
     pm = pid // n_k
     pk = pid % n_k
@@ -55,7 +55,7 @@ def _quantize_t_kernel(x_ptr, amax_bits_ptr, exp_ptr, codes_ptr, codes_t_ptr, M,
     e = tl.minimum(tl.maximum(scale_exponent(tl.load(amax_bits_ptr).to(tl.float32, bitcast=True), FMT), -126), 126)
     if pid == 0:
         tl.store(exp_ptr, e)
-    codes = encode_fp8(x * pow2(-e), FMT, HW)
+    codes = encode_fp8(x * pow2(-e), FMT, ISA)
     if ROW:
         tl.store(codes_ptr + offs, codes, mask=mask)
     if TRANS:
@@ -71,7 +71,7 @@ def linear_quantize(x: torch.Tensor, fmt="e4m3", rowwise: bool = True, transpose
     uint8 with x ~ q * 2**e; see reference.linear_quantize."""
     if x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"linear_quantize takes a contiguous 2-D tensor, got shape {tuple(x.shape)}")
-    hw = x.is_cuda
+    isa = kernel_isa(x.device)
     m, k = x.shape
     mp = -(-m // pad) * pad if transposed else m
     dev = x.device
@@ -90,5 +90,5 @@ def linear_quantize(x: torch.Tensor, fmt="e4m3", rowwise: bool = True, transpose
     out = codes if codes is not None else amax_bits
     out_t = codes_t if codes_t is not None else amax_bits
     launch(_quantize_t_kernel, n_prog, (x, amax_bits, exp, out, out_t, m, k, mp, n_k),
-           (get_format(fmt).id, _BM, _BK, rowwise, transposed, hw), _NUM_WARPS)
+           (get_format(fmt).id, _BM, _BK, rowwise, transposed, isa), _NUM_WARPS)
     return codes, codes_t, exp

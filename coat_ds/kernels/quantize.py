@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from .codec import fmt_max, decode_fp8, dequantize_tile, encode_fp8, quantize_tile
-from .fp8 import K_ONE, get_format
+from .fp8 import K_ONE, get_format, kernel_isa
 from .layout import QuantizedGroups, group_layout
 
 __all__ = ["quantize_groups", "dequantize_groups", "cast_fp8", "tile_shape"]
@@ -45,11 +45,11 @@ def _group_offsets(gi, n_groups, cols, gpr, G: tl.constexpr, ALIGNED: tl.constex
 @triton.jit
 def _quantize_groups_kernel(x_ptr, codes_ptr, center_ptr, kcode_ptr, sexp_ptr, n_groups, cols, gpr,
                             FMT: tl.constexpr, DRE: tl.constexpr, DRE_KNUM: tl.constexpr,
-                            G: tl.constexpr, BG: tl.constexpr, HW: tl.constexpr):
+                            G: tl.constexpr, BG: tl.constexpr, ISA: tl.constexpr):
     gi = tl.program_id(0) * BG + tl.arange(0, BG)
     offs, valid = _group_offsets(gi, n_groups, cols, gpr, G, False)
     x = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
-    codes, center, kcode, sexp = quantize_tile(x, FMT, DRE, DRE_KNUM, HW)
+    codes, center, kcode, sexp = quantize_tile(x, FMT, DRE, DRE_KNUM, ISA)
     tl.store(codes_ptr + offs, codes, mask=valid)
     gmask = gi < n_groups
     tl.store(center_ptr + gi, center, mask=gmask)
@@ -59,7 +59,7 @@ def _quantize_groups_kernel(x_ptr, codes_ptr, center_ptr, kcode_ptr, sexp_ptr, n
 
 @triton.jit
 def _dequantize_groups_kernel(codes_ptr, center_ptr, kcode_ptr, sexp_ptr, out_ptr, n_groups, cols, gpr,
-                              FMT: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, HW: tl.constexpr):
+                              FMT: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, ISA: tl.constexpr):
     gi = tl.program_id(0) * BG + tl.arange(0, BG)
     offs, valid = _group_offsets(gi, n_groups, cols, gpr, G, False)
     gmask = gi < n_groups
@@ -67,7 +67,7 @@ def _dequantize_groups_kernel(codes_ptr, center_ptr, kcode_ptr, sexp_ptr, out_pt
     center = tl.load(center_ptr + gi, mask=gmask, other=1.0)
     kcode = tl.load(kcode_ptr + gi, mask=gmask, other=16)
     sexp = tl.load(sexp_ptr + gi, mask=gmask, other=0)
-    x = dequantize_tile(codes, center, kcode, sexp, FMT, HW)
+    x = dequantize_tile(codes, center, kcode, sexp, FMT, ISA)
     tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=valid)
 
 
@@ -87,7 +87,7 @@ def quantize_groups(x: torch.Tensor, group_size: int = 128, fmt="e4m3", dre: boo
         _quantize_groups_kernel[(triton.cdiv(lay.num_groups, bg),)](
             x, *out, lay.num_groups, lay.cols, lay.groups_per_row,
             FMT=f.id, DRE=dre, DRE_KNUM=K_ONE * f.dre_log2_range, G=group_size, BG=bg,
-            HW=x.device.type == "cuda")
+            ISA=kernel_isa(x.device))
     return out
 
 
@@ -101,18 +101,18 @@ def dequantize_groups(qg: QuantizedGroups, group_size: int = 128, fmt="e4m3",
         bg = tile_shape(group_size)
         _dequantize_groups_kernel[(triton.cdiv(lay.num_groups, bg),)](
             qg.codes.contiguous(), qg.center, qg.kcode, qg.sexp, out, lay.num_groups, lay.cols,
-            lay.groups_per_row, FMT=f.id, G=group_size, BG=bg, HW=out.device.type == "cuda")
+            lay.groups_per_row, FMT=f.id, G=group_size, BG=bg, ISA=kernel_isa(out.device))
     return out
 
 
 @triton.jit
-def _cast_fp8_kernel(x_ptr, codes_ptr, out_ptr, n, FMT: tl.constexpr, BLOCK: tl.constexpr, HW: tl.constexpr):
+def _cast_fp8_kernel(x_ptr, codes_ptr, out_ptr, n, FMT: tl.constexpr, BLOCK: tl.constexpr, ISA: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    codes = encode_fp8(tl.minimum(tl.maximum(x, -fmt_max(FMT)), fmt_max(FMT)), FMT, HW)
+    codes = encode_fp8(tl.minimum(tl.maximum(x, -fmt_max(FMT)), fmt_max(FMT)), FMT, ISA)
     tl.store(codes_ptr + offs, codes, mask=mask)
-    tl.store(out_ptr + offs, decode_fp8(codes, FMT, HW), mask=mask)
+    tl.store(out_ptr + offs, decode_fp8(codes, FMT, ISA), mask=mask)
 
 
 def cast_fp8(x: torch.Tensor, fmt="e4m3") -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,5 +124,5 @@ def cast_fp8(x: torch.Tensor, fmt="e4m3") -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     if x.numel():
         _cast_fp8_kernel[(triton.cdiv(x.numel(), _BLOCK_ELEMS),)](x, codes, out, x.numel(), FMT=f.id,
-                                                                  BLOCK=_BLOCK_ELEMS, HW=x.device.type == "cuda")
+                                                                  BLOCK=_BLOCK_ELEMS, ISA=kernel_isa(x.device))
     return codes, out

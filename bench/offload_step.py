@@ -1,0 +1,111 @@
+"""ZeRO-Offload's host step: CoatAdamW on a CPU partition against torch's AdamW, side by side.
+
+    python bench/offload_step.py [--numel 8388608] [--iters 7] [--whole] [--no-ds] [--out r.json]
+
+One flat FP32 partition with an FP32 gradient, what DeepSpeed hands the optimizer under
+`offload_optimizer: cpu`. Cases, timed in turns (one step of each per round, so that load
+from other processes falls on all of them alike), median and min wall time per step:
+- torch AdamW(foreach=True), the baseline every ratio is taken against;
+- CoatAdamW's host step (kernels/host.py: the reference step over group-aligned chunks);
+- with --whole, the reference step on the whole partition at once (the path before host.py);
+- DeepSpeedCPUAdam (FP32 states, DeepSpeed's AVX C++ op), where it builds (JIT, first use).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from coat_ds import CoatAdamW  # noqa: E402
+from coat_ds.kernels import AdamWHyper, AdamWSlot, host  # noqa: E402
+from coat_ds.kernels import reference as R  # noqa: E402
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def make(numel: int, seed: int = 0) -> torch.nn.Parameter:
+    g = torch.Generator().manual_seed(seed)
+    p = torch.nn.Parameter(torch.randn(numel, generator=g) * 0.02)
+    p.grad = torch.randn(numel, generator=g) * 1e-3
+    return p
+
+
+def deepspeed_cpu_adam(params):
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    return DeepSpeedCPUAdam(params, lr=1e-4, weight_decay=0.01, adamw_mode=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--numel", type=int, default=8_388_608)
+    ap.add_argument("--iters", type=int, default=7)
+    ap.add_argument("--whole", action="store_true", help="also time the reference step on the whole partition")
+    ap.add_argument("--no-ds", action="store_true", help="skip DeepSpeedCPUAdam")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    steps = {}
+    p = make(args.numel)
+    steps["torch AdamW foreach"] = torch.optim.AdamW([p], lr=1e-4, weight_decay=0.01, foreach=True).step
+    p = make(args.numel)
+    steps["CoatAdamW host step (chunked)"] = CoatAdamW([p], lr=1e-4, weight_decay=0.01).step
+    if args.whole:
+        p = make(args.numel)
+        zeros = torch.zeros(args.numel)
+        slot = AdamWSlot(p.data, p.grad, R.quantize_groups(zeros), R.quantize_groups(zeros))
+        hyper = AdamWHyper.at_step(10, 1e-4, 0.9, 0.999, 1e-8, 0.01)
+        steps["reference step, whole partition"] = lambda: R.adamw_step([slot], hyper)
+    ds_note = "skipped (--no-ds)"
+    if not args.no_ds:
+        try:
+            p = make(args.numel)
+            steps["DeepSpeedCPUAdam (FP32 states)"] = deepspeed_cpu_adam([p]).step
+            ds_note = "built"
+        except Exception as e:  # the JIT build needs a compiler and DeepSpeed's op sources
+            ds_note = f"did not build: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    print(f"DeepSpeedCPUAdam: {ds_note}", flush=True)
+
+    for fn in steps.values():  # state allocation, first-use builds
+        fn()
+    times = {k: [] for k in steps}
+    for _ in range(args.iters):
+        for name, fn in steps.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    base = statistics.median(times["torch AdamW foreach"])
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    print(f"\n{cpu_name()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, {date}; "
+          f"{args.numel:,} FP32 elements, {args.iters} rounds; chunk {host.HOST_CHUNK_ELEMS} elements")
+    print("| step | median ms | min ms | median / torch foreach |")
+    print("|---|---|---|---|")
+    rows = []
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        rows.append({"step": name, "median_ms": med, "min_ms": min(ts), "ratio": med / base})
+        print(f"| {name} | {med:.1f} | {min(ts):.1f} | {med / base:.2f}x |")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"cpu": cpu_name(), "threads": torch.get_num_threads(), "date": date,
+                                              "numel": args.numel, "deepspeed_cpu_adam": ds_note, "rows": rows},
+                                             indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""The AdamW step on host tensors (ZeRO-Offload, CPU training): the torch reference step,
+run over group-aligned chunks on the cores.
+
+`reference.adamw_step` on a whole tensor materializes about ten FP32 temporaries of its size
+(~38 bytes per element: 33 GB per rank for a 7B model offloaded from 8 ranks). Here each
+tensor is cut into chunks of whole quantization groups, at most `HOST_CHUNK_ELEMS` elements
+each, and the same reference step runs on each chunk's views of the parameter, gradient and
+moment state, so transient memory is bounded by the chunks in flight and the math is the
+reference's (a fix there applies here). Groups never straddle chunks and every op of the
+step is elementwise or per group, so the result is the whole-tensor step's, bit for bit.
+
+Chunks run on `torch.get_num_threads()` threads (torch's ops release the GIL). A chunk is
+one of ATen's 32768-element grains, so each op runs inline in its thread: ~80 ops per chunk
+would otherwise each fork and join the intra-op pool, and a chunk's temporaries (~1.3 MB)
+stay in the core's caches between ops, where a whole partition streams through memory for
+each of them.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from . import reference
+from .layout import AdamWHyper, AdamWSlot, QuantizedGroups, group_layout
+
+__all__ = ["adamw_step", "chunk_slots", "HOST_CHUNK_ELEMS"]
+
+HOST_CHUNK_ELEMS = 1 << 15
+
+_pool: list = [None, 0]
+_pool_lock = threading.Lock()
+# A forked child inherits the pool object but none of its threads.
+os.register_at_fork(after_in_child=lambda: _pool.__setitem__(slice(None), [None, 0]))
+
+
+def _executor(workers: int) -> ThreadPoolExecutor:
+    with _pool_lock:
+        if _pool[1] != workers:
+            if _pool[0] is not None:
+                _pool[0].shutdown(wait=True)
+            _pool[0], _pool[1] = ThreadPoolExecutor(workers, thread_name_prefix="coat_ds_host"), workers
+        return _pool[0]
+
+
+def _moment_part(mom, rows: int, cols: int, r: slice, c: slice, gs: slice):
+    """The part of a moment (FP32 tensor or QuantizedGroups) covering rows `r`, columns `c`
+    (groups `gs`) of its (rows, cols) view."""
+    if isinstance(mom, QuantizedGroups):
+        return QuantizedGroups(mom.codes.view(rows, cols)[r, c], mom.center[r, gs], mom.kcode[r, gs],
+                               mom.sexp[r, gs])
+    return mom.view(rows, cols)[r, c]
+
+
+def chunk_slots(slot: AdamWSlot, group_size: int, chunk_elems: int) -> list[AdamWSlot]:
+    """`slot` cut into contiguous views of whole groups (a row's short last group included),
+    about `chunk_elems` elements each: runs of whole rows, or pieces of one row when a row is
+    longer than a chunk. Every group lies in exactly one chunk."""
+    lay = group_layout(slot.param.shape, group_size)
+    if lay.num_groups == 0:
+        return []
+    rows, cols = lay.rows, lay.cols
+    p, g = slot.param.view(rows, cols), slot.grad.view(rows, cols)
+    out = []
+
+    def add(r: slice, c: slice, gs: slice):
+        out.append(AdamWSlot(p[r, c], g[r, c], _moment_part(slot.exp_avg, rows, cols, r, c, gs),
+                             _moment_part(slot.exp_avg_sq, rows, cols, r, c, gs)))
+
+    if cols >= chunk_elems:
+        groups = max(1, chunk_elems // group_size)
+        for i in range(rows):
+            for g0 in range(0, lay.groups_per_row, groups):
+                g1 = min(lay.groups_per_row, g0 + groups)
+                add(slice(i, i + 1), slice(g0 * group_size, min(cols, g1 * group_size)), slice(g0, g1))
+    else:
+        step = max(1, chunk_elems // cols)
+        for r0 in range(0, rows, step):
+            add(slice(r0, min(rows, r0 + step)), slice(None), slice(None))
+    return out
+
+
+def adamw_step(slots: list[AdamWSlot], hyper: AdamWHyper, *, group_size: int = 128, fmt_m="e4m3",
+               fmt_v="e4m3", dre: bool = True, skipped: torch.Tensor | None = None,
+               plan_cache: dict | None = None, chunk_elems: int | None = None) -> None:
+    """`reference.adamw_step`, chunk by chunk for contiguous host tensors (same signature;
+    other tensors go to the reference whole). `chunk_elems` defaults to `HOST_CHUNK_ELEMS`."""
+    chunk_elems = chunk_elems or HOST_CHUNK_ELEMS
+    whole, parts = [], []
+    for s in slots:
+        host = all(t.device.type == "cpu" and t.is_contiguous() for t in (s.param, s.grad))
+        if host and s.param.numel() > chunk_elems:
+            parts.extend(chunk_slots(s, group_size, chunk_elems))
+        else:
+            whole.append(s)
+    kw = dict(group_size=group_size, fmt_m=fmt_m, fmt_v=fmt_v, dre=dre)
+    if whole:
+        reference.adamw_step(whole, hyper, **kw, skipped=skipped)
+    workers = torch.get_num_threads()
+    if workers <= 1 or len(parts) <= 1:
+        for part in parts:
+            reference.adamw_step([part], hyper, **kw, skipped=skipped)
+        return
+    # One counter per chunk: threads adding into one tensor would race.
+    counts = torch.zeros(len(parts), dtype=torch.int64)
+    grad_mode = torch.is_grad_enabled()  # thread-local: the workers take the caller's (no_grad in step())
+
+    def run(i: int) -> None:
+        with torch.set_grad_enabled(grad_mode):
+            reference.adamw_step([parts[i]], hyper, **kw, skipped=counts[i])
+
+    list(_executor(workers).map(run, range(len(parts))))
+    if skipped is not None:
+        skipped += counts.sum().to(skipped.dtype)
