@@ -17,13 +17,13 @@ def first_nonfinite(grads: list[torch.Tensor]) -> int | None:
     """Index of the first gradient whose step would be skipped (a NaN/inf element, or one
     whose square overflows float32 as the kernels compute it), else None. One fused max
     per device and dtype, one read back."""
-    if not grads:
+    index = [i for i, g in enumerate(grads) if g.numel()]  # FSDP2 shards may be empty
+    if not index:
         return None
-    peaks = torch._foreach_norm(grads, float("inf"))
-    peak = torch.stack([p.to(torch.float32).cpu() if p.device.type != "cpu" else p.to(torch.float32)
-                        for p in peaks])
+    peaks = torch._foreach_norm([grads[i] for i in index], float("inf"))
+    peak = torch.stack([p.to(peaks[0].device, torch.float32) for p in peaks]).cpu()
     bad = ~torch.isfinite(peak * peak)
-    return int(bad.nonzero()[0, 0]) if bool(bad.any()) else None
+    return index[int(bad.nonzero()[0, 0])] if bool(bad.any()) else None
 
 
 class SkipCounter:
