@@ -184,7 +184,9 @@ def test_load_hooks_see_and_edit_the_state():
 def test_nonfinite_raise_checks_first_and_recovers():
     torch.manual_seed(0)
     a, b = torch.nn.Linear(128, 64, bias=False), torch.nn.Linear(128, 64, bias=False)
-    opt = CoatAdamW([{"params": a.parameters()}, {"params": b.parameters()}], nonfinite="raise")
+    empty = torch.nn.Parameter(torch.zeros(0, 4))  # an FSDP2 rank's empty shard
+    empty.grad = torch.zeros(0, 4)
+    opt = CoatAdamW([{"params": [*a.parameters(), empty]}, {"params": b.parameters()}], nonfinite="raise")
     for m in (a, b):
         _grads(m, 0)
     opt.step()
