@@ -85,20 +85,25 @@ class CoatAdamW(torch.optim.Optimizer):
                         min_quant_numel=min_quant_numel, nonfinite=nonfinite, backend=backend)
         self._validate(defaults)
         super().__init__(params, defaults)
-        self.__setstate__({})
+        self._skips = SkipCounter()
+        self._drop_caches()
 
     def __setstate__(self, state: dict) -> None:
-        # Also runs after deepcopy/pickle, which keep only defaults, state and param groups,
-        # and on optimizers pickled before an option existed: fill it with its default.
+        # Runs after deepcopy/pickle, which keep only defaults, state and param groups (an
+        # optimizer pickled before an option existed gets its default), and on every load.
         super().__setstate__(state)
         for key, value in _OPTION_DEFAULTS.items():
             self.defaults.setdefault(key, value)
             for group in self.param_groups:
                 group.setdefault(key, value)
-        self._plan_cache: dict = {}
-        self._entries: dict = {}
         if not hasattr(self, "_skips"):
             self._skips = SkipCounter()
+        self._drop_caches()
+
+    def _drop_caches(self) -> None:
+        # Kernel address tables and state views of tensors that may have been replaced.
+        self._plan_cache: dict = {}
+        self._entries: dict = {}
 
     @staticmethod
     def _validate(group: dict) -> tuple[AdamWHyperparams, OptimStateConfig]:
@@ -245,7 +250,6 @@ class CoatAdamW(torch.optim.Optimizer):
             post_hook(self)
 
     def _install(self, groups: list[dict], state: dict) -> None:
-        # __setstate__ also drops the cached state views and kernel address tables.
         self.__setstate__({"state": state, "param_groups": groups})
 
     def _loaded(self, state_dict: dict, fp32_only: bool) -> tuple[list[dict], dict]:
