@@ -69,7 +69,7 @@ class CoatAdamW(torch.optim.Optimizer):
         nonfinite: "skip": a group (`group_size` elements) whose gradient or new moments are
             not finite keeps its parameter and moments unchanged, is counted in
             `nonfinite_groups()` and reported by a rate-limited RuntimeWarning. "raise":
-            checks the gradients first (one sync) and raises FloatingPointError before
+            checks the gradients first (host syncs) and raises FloatingPointError before
             anything changes.
         backend: "auto", "triton" or "torch".
     """
