@@ -17,7 +17,7 @@ K_ONE = 16
 K_MAX_CODE = 128
 # k >= 1/4: FP8's rounding error of the mapped value is raised to the power 1/k, so k = 1/16
 # gave up to 150 % (E4M3) on every element of a group spanning 40+ decades. With k >= 1/4
-# the top 16 decades of any group keep E4M3's error under 26 % (E5M2: 53 %, docs/optimizer.md);
+# the top 16 decades of any group keep E4M3's error under 26 % (E5M2: 52 %, docs/optimizer.md);
 # elements further down are coarser, and those below the format's range decode to the
 # group's smallest code instead of 0, so no second moment is flushed.
 K_MIN_CODE = 4
