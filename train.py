@@ -36,6 +36,7 @@ from coat_ds.engines import shutdown_distributed
 from coat_ds.metrics import MetricsLog
 from coat_ds.model import Llama, model_config
 from coat_ds.run_config import TrainConfig, checkpoint_plan, parse_config
+from coat_ds.optim import nonfinite_groups
 
 
 def will_save(cfg: TrainConfig, step: int) -> bool:
@@ -63,6 +64,7 @@ class Runner:
     load: Callable  # (checkpoint or save folder) -> (checkpoint folder loaded, client_state)
     lr: Callable  # () -> current learning rate
     optimizer_state_bytes: Callable  # () -> bytes of optimizer state (moments) on this rank
+    nonfinite_groups: Callable  # () -> groups CoatAdamW skipped so far on this rank for non-finite values
     micro_batch: int  # sequences per rank per micro-step
     grad_accum: int  # micro-steps per optimizer step
     device: torch.device
@@ -103,6 +105,7 @@ def setup_deepspeed(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
                   save=lambda d, tag, client: save_checkpoint(engine, d, tag, client, step=client["step"]),
                   load=load, lr=lambda: engine.get_lr()[0],
                   optimizer_state_bytes=lambda: optimizer_state_bytes(base_optimizer),
+                  nonfinite_groups=lambda: nonfinite_groups(base_optimizer),
                   micro_batch=engine.train_micro_batch_size_per_gpu(),
                   grad_accum=engine.gradient_accumulation_steps(), device=engine.device)
 
@@ -147,6 +150,7 @@ def setup_fsdp_engine(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
                   save=lambda d, tag, client: save_checkpoint(os.path.join(d, tag), model, optim, client["step"]),
                   load=load, lr=lambda: optim.param_groups[0]["lr"],
                   optimizer_state_bytes=lambda: optimizer_state_bytes(optim),
+                  nonfinite_groups=lambda: nonfinite_groups(optim),
                   micro_batch=ds.micro_batch, grad_accum=ds.grad_accum, device=train_device())
 
 
@@ -277,9 +281,13 @@ def train(cfg: TrainConfig) -> None:
             tok_s = tokens_per_step * steps_in_window / dt
             eta = (time.perf_counter() - t_start) / (done - start) * (cfg.max_steps - done)
             mem = max_over_ranks(peak_memory_gb(runner.device))
+            skipped = round(mean_over_ranks([torch.tensor(float(runner.nonfinite_groups()), device=runner.device)])
+                            * world)
             say(f"step {done}/{cfg.max_steps} ({100 * done / cfg.max_steps:3.0f}%) | loss {loss:.4f} | "
-                f"lr {runner.lr():.2e} | {tok_s:,.0f} tok/s | peak mem {mem:.2f} GB (max rank) | eta {eta:.0f}s", flush=True)
-            record(step=done, loss=loss, lr=runner.lr(), tokens_per_s=tok_s, peak_mem_gb=mem)
+                f"lr {runner.lr():.2e} | {tok_s:,.0f} tok/s | peak mem {mem:.2f} GB (max rank) | eta {eta:.0f}s | "
+                f"non-finite groups skipped {skipped}", flush=True)
+            record(step=done, loss=loss, lr=runner.lr(), tokens_per_s=tok_s, peak_mem_gb=mem,
+                   nonfinite_groups_skipped=skipped)
             t0, window = time.perf_counter(), []
         if (cfg.eval_interval and done % cfg.eval_interval == 0) or done == cfg.max_steps:
             val = evaluate(cfg, runner, data, rank)

@@ -169,19 +169,6 @@ def test_nonfinite_skip_and_raise():
         raising.step()
 
 
-@pytest.mark.parametrize("pdt,gdt", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)])
-def test_bf16_params_and_mixed_grad_dtype(pdt, gdt):
-    lin = torch.nn.Linear(128, 64).to(pdt)
-    for p in lin.parameters():
-        p.grad_dtype = None  # let a float32 gradient sit on a bfloat16 parameter
-    opt = CoatAdamW(lin.parameters(), lr=1e-2)
-    for _ in range(3):
-        for p in lin.parameters():
-            p.grad = torch.randn(p.shape, dtype=gdt)
-        opt.step()
-    assert lin.weight.dtype == pdt and torch.isfinite(lin.weight.float()).all()
-
-
 def test_triton_backend_matches_torch_backend_through_interpreter():
     """The whole optimizer through the Triton kernels (interpreted on CPU) follows the torch
     reference backend over several steps."""

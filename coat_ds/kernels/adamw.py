@@ -4,7 +4,7 @@ One launch covers every tensor of a bucket (same param dtype, grad dtype and ste
 program owns BG whole groups of one tensor, so per-group statistics, the DRE exponent and
 the scale are computed without leaving the program. Tensors are reached through a table of
 raw addresses; the table is cached and rebuilt (pinned host memory, async copy) only when an
-address changes, and the program map only when the tensors do, so a step neither
+address changes (of a parameter, a gradient or any state tensor), and the program map only when the tensors do, so a step neither
 synchronises with the host nor recompiles.
 """
 from __future__ import annotations
@@ -138,31 +138,31 @@ class _Plan:
         self.blocks = _to_device(blocks or [(0, 0)], device, torch.int32)
         self.key = self.table = self.aligned = None
 
-    def bind(self, slots: list[AdamWSlot], key: list) -> None:
+    def bind(self, key: list[tuple[int, ...]]) -> None:
         if key == self.key:
             return
-        rows = [_addresses(s) + [lay.cols, lay.num_groups, lay.groups_per_row, 0, 0, 0]
-                for s, lay in zip(slots, self.layouts)]
+        rows = [[*addresses, lay.cols, lay.num_groups, lay.groups_per_row, 0, 0, 0]
+                for addresses, lay in zip(key, self.layouts)]
         # 16-byte vector access needs every row start and every base address aligned.
         self.aligned = all(r[10] % 16 == 0 and all(a % 16 == 0 for a in r[:10]) for r in rows)
         self.table = _to_device(rows, self.device)
         self.key = key
 
 
-def _addresses(s: AdamWSlot) -> list[int]:
-    out = [s.param.data_ptr(), s.grad.data_ptr()]
-    for mom in (s.exp_avg, s.exp_avg_sq):
-        if isinstance(mom, QuantizedGroups):
-            out.extend(x.data_ptr() for x in mom)
-        else:
-            out.extend([mom.data_ptr(), 0, 0, 0])
-    return out
+_data_ptr = torch.Tensor.data_ptr
 
 
-def _key(slots: list[AdamWSlot]) -> list[tuple[int, int, tuple]]:
-    # State tensors are the caller's and stay put (it drops the cache when it replaces
-    # them); parameters and gradients may move between steps.
-    return [(s.param.data_ptr(), s.grad.data_ptr(), s.param.shape) for s in slots]
+def _addresses(s: AdamWSlot) -> tuple[int, ...]:
+    if isinstance(s.exp_avg, QuantizedGroups):
+        return (_data_ptr(s.param), _data_ptr(s.grad), *map(_data_ptr, s.exp_avg), *map(_data_ptr, s.exp_avg_sq))
+    return (_data_ptr(s.param), _data_ptr(s.grad), _data_ptr(s.exp_avg), 0, 0, 0, _data_ptr(s.exp_avg_sq), 0, 0, 0)
+
+
+def _key(slots: list[AdamWSlot]) -> list[tuple[int, ...]]:
+    # Every address the kernel reads or writes, state tensors included: DeepSpeed's
+    # offload_states / reload_adam_states swap a state tensor's storage (`.data =`) while the
+    # tensor object, the parameter and the gradient stay where they were.
+    return [_addresses(s) for s in slots]
 
 
 def _to_device(rows, device, dtype=torch.int64) -> torch.Tensor:
@@ -177,8 +177,8 @@ def adamw_step(slots: list[AdamWSlot], hyper: AdamWHyper, *, group_size: int = 1
     """Triton twin of `reference.adamw_step`: one launch for all `slots`.
 
     All slots share param dtype, grad dtype and moment kind (FP8 or FP32). `plan_cache`, a
-    dict owned by the caller, keeps the address table between steps; the caller clears it
-    whenever it replaces a state tensor."""
+    dict owned by the caller, keeps the address table between steps; it is re-sent whenever
+    any tensor the kernel touches has moved."""
     slots = [s for s in slots if s.param.numel()]
     if not slots:
         return
@@ -191,7 +191,8 @@ def adamw_step(slots: list[AdamWSlot], hyper: AdamWHyper, *, group_size: int = 1
     key = _key(slots)
     # Keyed by the parameters themselves: ZeRO-3 steps one sub-group's tensors per call,
     # each with its own plan, and every one is reused on the next iteration.
-    cache_key = (quant, slots[0].param.dtype, slots[0].grad.dtype, group_size, tuple((k[0], k[2]) for k in key))
+    cache_key = (quant, slots[0].param.dtype, slots[0].grad.dtype, group_size,
+                 tuple((k[0], s.param.shape) for k, s in zip(key, slots)))
     plan = None if plan_cache is None else plan_cache.get(cache_key)
     if plan is None:
         plan = _Plan(slots, group_size, device)
@@ -199,7 +200,7 @@ def adamw_step(slots: list[AdamWSlot], hyper: AdamWHyper, *, group_size: int = 1
             if len(plan_cache) >= _MAX_PLANS:
                 plan_cache.pop(next(iter(plan_cache)))
             plan_cache[cache_key] = plan
-    plan.bind(slots, key)
+    plan.bind(key)
     if skipped is None:
         skipped = torch.zeros((), dtype=torch.int64, device=device)
     _adamw_kernel[(plan.grid,)](

@@ -24,6 +24,14 @@ def fmt_max(FMT: tl.constexpr):
 
 
 @triton.jit
+def fmt_min_subnormal(FMT: tl.constexpr):
+    if FMT == 0:
+        return 0.001953125
+    else:
+        return 1.52587890625e-05
+
+
+@triton.jit
 def _sfu(x, ASM: tl.constexpr):
     # The .ftz forms are one special-function instruction; without .ftz ptxas wraps each in
     # subnormal range fix-ups. Callers treat subnormal magnitudes as zero on the GPU.
@@ -180,7 +188,7 @@ def quantize_tile(x, FMT: tl.constexpr, DRE: tl.constexpr, DRE_KNUM: tl.constexp
         log2r = lmax - log2(amin, ISA)
         kf = tl.floor(DRE_KNUM * rcp(log2r, ISA))
         kf = tl.where(log2r > 0, kf, 128.0)
-        kf = tl.minimum(tl.maximum(kf, 1.0), 128.0)
+        kf = tl.minimum(tl.maximum(kf, 4.0), 128.0)  # fp8.K_MIN_CODE, K_MAX_CODE
         center = tl.where(amax == amin, amax, tl.sqrt(amax) * tl.sqrt(amin))
     else:
         kf = tl.full(amax.shape, 16.0, tl.float32)
@@ -199,6 +207,9 @@ def quantize_tile(x, FMT: tl.constexpr, DRE: tl.constexpr, DRE_KNUM: tl.constexp
     q = y * pow2(-sexp)[:, None]
     if ISA != 2:
         q = tl.minimum(q, fmt_max(FMT))  # the hardware conversion saturates by itself
+    if DRE:
+        # Below the format's range (a group wider than range / k): the smallest code, not 0.
+        q = tl.where((a > 0) & nonzero[:, None], tl.maximum(q, fmt_min_subnormal(FMT)), q)
     q = tl.where(x < 0, -q, q)
     return encode_fp8(q, FMT, ISA), center, kf.to(tl.uint8), sexp.to(tl.int8)
 

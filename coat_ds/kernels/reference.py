@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .fp8 import K_MAX_CODE, K_ONE, Fp8Format, get_format
+from .fp8 import K_MAX_CODE, K_MIN_CODE, K_ONE, Fp8Format, get_format
 from .layout import AdamWHyper, AdamWSlot, QuantizedGroups, group_layout
 
 __all__ = [
@@ -92,7 +92,7 @@ def _quantize_grouped(xg: torch.Tensor, fmt: Fp8Format, dre: bool) -> QuantizedG
         # k stretches (or, below 1, compresses) the group's range onto the format's.
         log2r = lmax - torch.log2(amin)
         kf = torch.floor(_div(K_ONE * fmt.dre_log2_range, log2r))
-        kf = torch.where(log2r > 0, kf, float(K_MAX_CODE)).clamp_(1, K_MAX_CODE)
+        kf = torch.where(log2r > 0, kf, float(K_MAX_CODE)).clamp_(K_MIN_CODE, K_MAX_CODE)
         center = torch.where(amax == amin, amax, torch.sqrt(amax) * torch.sqrt(amin))
     else:
         kf = torch.full_like(amax, K_ONE)
@@ -105,6 +105,9 @@ def _quantize_grouped(xg: torch.Tensor, fmt: Fp8Format, dre: bool) -> QuantizedG
     ymax = torch.where(nonzero, torch.exp2(k * (lmax - lc)), 1.0)  # the image of amax
     sexp = torch.where(nonzero, scale_exponent(ymax, fmt), 0)
     q = torch.clamp(y * pow2(-sexp)[..., None], max=fmt.max)
+    if dre:
+        # Below the format's range (a group wider than range / k): the smallest code, not 0.
+        q = torch.where((a > 0) & nonzero[..., None], q.clamp(min=fmt.min_subnormal), q)
     q = torch.where(xg < 0, -q, q)
     return QuantizedGroups(encode_fp8(q, fmt), center, kf.to(torch.uint8), sexp.to(torch.int8))
 

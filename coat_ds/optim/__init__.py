@@ -1,3 +1,3 @@
-from .coat_adamw import CoatAdamW
+from .coat_adamw import CoatAdamW, nonfinite_groups
 
-__all__ = ["CoatAdamW"]
+__all__ = ["CoatAdamW", "nonfinite_groups"]

@@ -1,6 +1,8 @@
 """CoatAdamW: AdamW with FP8 moments, per-group scales and Dynamic Range Expansion."""
 from __future__ import annotations
 
+import copy
+import dataclasses
 import itertools
 from collections import defaultdict
 
@@ -12,10 +14,13 @@ from ..kernels import AdamWHyper, AdamWSlot, get_ops
 from . import sharded
 from . import state as st
 from . import watch
+from .loading import check_state, is_fp32_layout, merge_groups
+from .nonfinite import SkipCounter, first_nonfinite
 
-__all__ = ["CoatAdamW"]
+__all__ = ["CoatAdamW", "nonfinite_groups"]
 
 _CONFIG_KEYS = tuple(OptimStateConfig.__dataclass_fields__)
+_OPTION_DEFAULTS = {f.name: f.default for f in dataclasses.fields(OptimStateConfig)}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -23,27 +28,54 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+def _lr_value(lr):
+    """`lr` as a number: a one-element tensor (torch.optim.AdamW accepts one) is read, which
+    costs a sync per param group and step when it lives on a GPU."""
+    if not torch.is_tensor(lr):
+        return lr
+    if lr.numel() != 1 or lr.is_complex():
+        raise ValueError(f"lr must be a float or a one-element real tensor, got a {lr.dtype} tensor of shape "
+                         f"{tuple(lr.shape)}")
+    return float(lr.item())
+
+
+def _check_param(p: torch.Tensor, group: int, index: int) -> None:
+    if p.grad.is_sparse:
+        raise ValueError(f"CoatAdamW does not support sparse gradients (parameter {index} of param group {group})")
+    dtype = _local(p).dtype
+    if dtype != torch.float32:
+        # Rounding each update to 8 (BF16) or 11 (FP16) bits loses every update smaller than
+        # half a unit in the last place: at lr 1e-4 almost no BF16 element ever changes.
+        raise ValueError(
+            f"CoatAdamW needs float32 parameters (master weights); parameter {index} of param group {group} is "
+            f"{dtype}. Keep FP32 parameters and compute in BF16 (torch.autocast, DeepSpeed bf16, FSDP "
+            "MixedPrecisionPolicy(param_dtype=torch.bfloat16)): updates below BF16's precision would be lost")
+
+
 class CoatAdamW(torch.optim.Optimizer):
     """AdamW whose moments are stored in FP8 with per-group DRE (about 2.09 bytes/param).
 
-    A drop-in for `torch.optim.AdamW` (decoupled weight decay, bias correction). Every
-    option below may also be set per param group. On CUDA the step is one fused Triton
-    launch per (dtype, step) bucket of a param group; elsewhere the pure-torch reference.
+    A drop-in for `torch.optim.AdamW` (decoupled weight decay, bias correction) on float32
+    parameters (a BF16/FP16 parameter is refused at the first step). Every option below may
+    also be set per param group. On CUDA the step is one fused Triton launch per (dtype,
+    step) bucket of a param group; elsewhere the pure-torch reference.
 
     Args:
-        lr, betas, eps, weight_decay: as `torch.optim.AdamW`.
+        lr, betas, eps, weight_decay: as `torch.optim.AdamW` (`lr` may be a one-element tensor).
         first_moment_format, second_moment_format: "e4m3" (default) or "e5m2".
         group_size: elements per quantization group (power of two, default 128).
         dynamic_range_expansion: apply DRE before quantizing (default True).
         min_quant_numel: parameters with fewer elements (counted on the whole, unsharded
             tensor) keep FP32 moments (default 4096).
-        nonfinite: a group (`group_size` elements) whose gradient or new moments are not
-            finite keeps its parameter and moments unchanged and is counted in
-            `nonfinite_groups()`; "raise" also raises after the step (this synchronises).
+        nonfinite: "skip": a group (`group_size` elements) whose gradient or new moments are
+            not finite keeps its parameter and moments unchanged, is counted in
+            `nonfinite_groups()` and reported by a rate-limited RuntimeWarning. "raise":
+            checks the gradients first (host syncs) and raises FloatingPointError before
+            anything changes.
         backend: "auto", "triton" or "torch".
     """
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+    def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, first_moment_format: str = "e4m3",
                  second_moment_format: str = "e4m3", group_size: int = 128,
                  dynamic_range_expansion: bool = True, min_quant_numel: int = 4096,
@@ -54,14 +86,30 @@ class CoatAdamW(torch.optim.Optimizer):
                         min_quant_numel=min_quant_numel, nonfinite=nonfinite, backend=backend)
         self._validate(defaults)
         super().__init__(params, defaults)
+        self._skips = SkipCounter()
+        self._drop_caches()
+        watch.note_built()
+
+    def __setstate__(self, state: dict) -> None:
+        # Runs after deepcopy/pickle, which keep only defaults, state and param groups (an
+        # optimizer pickled before an option existed gets its default), and on every load.
+        super().__setstate__(state)
+        for key, value in _OPTION_DEFAULTS.items():
+            self.defaults.setdefault(key, value)
+            for group in self.param_groups:
+                group.setdefault(key, value)
+        if not hasattr(self, "_skips"):
+            self._skips = SkipCounter()
+        self._drop_caches()
+
+    def _drop_caches(self) -> None:
+        # Kernel address tables and state views of tensors that may have been replaced.
         self._plan_cache: dict = {}
         self._entries: dict = {}
-        self._skipped: dict[torch.device, torch.Tensor] = {}
-        watch.note_built()
 
     @staticmethod
     def _validate(group: dict) -> tuple[AdamWHyperparams, OptimStateConfig]:
-        hp = AdamWHyperparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        hp = AdamWHyperparams(_lr_value(group["lr"]), group["betas"], group["eps"], group["weight_decay"])
         return hp, OptimStateConfig(**{k: group[k] for k in _CONFIG_KEYS})
 
     def add_param_group(self, param_group: dict) -> None:
@@ -79,70 +127,74 @@ class CoatAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        # Everything that can refuse the step is checked before any group changes.
+        work, raising = [], []
+        for gi, group in enumerate(self.param_groups):
             hp, cfg = self._validate(group)
             params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            entries = [self._entry(p, cfg) for p in params]
-            # One call for every counter and one read back: per-parameter tensor ops and
-            # .item() calls cost more host time than the GPU step of a 1B model takes.
-            steps = [self.state[p]["step"] for p in params]
-            torch._foreach_add_(steps, 1)
-            step_values = torch.stack(steps).tolist()
-            buckets: dict[tuple, list[AdamWSlot]] = defaultdict(list)
-            for p, (local, m, v, quant), step in zip(params, entries, step_values):
-                grad = _local(p.grad)
-                if grad.is_sparse:
-                    raise ValueError("CoatAdamW does not support sparse gradients")
-                if not grad.is_contiguous():
-                    grad = grad.contiguous()
-                buckets[(quant, int(step), local.device, local.dtype, grad.dtype)].append(
-                    AdamWSlot(local, grad, m, v))
-            for (quant, step, device, *_), slots in buckets.items():
-                hyper = AdamWHyper.at_step(step, hp.lr, *hp.betas, hp.eps, hp.weight_decay)
-                get_ops(device, cfg.backend).adamw_step(
-                    slots, hyper, group_size=cfg.group_size, fmt_m=cfg.first_moment_format,
-                    fmt_v=cfg.second_moment_format, dre=cfg.dynamic_range_expansion,
-                    skipped=self._skip_counter(device), plan_cache=self._plan_cache)
-            if cfg.nonfinite == "raise" and self.nonfinite_groups():
+            for i, p in enumerate(params):
+                _check_param(p, gi, i)
+            if params:
+                work.append((hp, cfg, params))
+            if cfg.nonfinite == "raise":
+                raising.extend((gi, p) for p in params)
+        if raising:
+            bad = first_nonfinite([_local(p.grad) for _, p in raising])
+            if bad is not None:
+                gi, p = raising[bad]
+                index = next(i for i, q in enumerate(self.param_groups[gi]["params"]) if q is p)
                 raise FloatingPointError(
-                    f"CoatAdamW: {self.nonfinite_groups()} group(s) had non-finite gradients or moments; "
-                    "their parameters and moments were left unchanged")
+                    f"CoatAdamW: parameter {index} of param group {gi} has a non-finite gradient (or one whose "
+                    "square overflows float32); nothing was updated")
+            skipped_before = self._skips.total()
+        for hp, cfg, params in work:
+            self._step_group(hp, cfg, params)
+        if raising and self._skips.total() > skipped_before:
+            raise FloatingPointError(
+                f"CoatAdamW: {self._skips.total() - skipped_before} group(s) had moments that overflowed "
+                "float32; their parameters and moments were left unchanged")
+        self._skips.after_step()
         return loss
+
+    def _step_group(self, hp: AdamWHyperparams, cfg: OptimStateConfig, params: list[torch.Tensor]) -> None:
+        entries = [self._entry(p, cfg) for p in params]
+        # One call for every counter and one read back: per-parameter tensor ops and
+        # .item() calls cost more host time than the GPU step of a 1B model takes.
+        steps = [self.state[p]["step"] for p in params]
+        torch._foreach_add_(steps, 1)
+        step_values = torch.stack(steps).tolist()
+        buckets: dict[tuple, list[AdamWSlot]] = defaultdict(list)
+        for p, (local, m, v, quant), step in zip(params, entries, step_values):
+            grad = _local(p.grad)
+            if not grad.is_contiguous():
+                grad = grad.contiguous()
+            buckets[(quant, int(step), local.device, local.dtype, grad.dtype)].append(AdamWSlot(local, grad, m, v))
+        for (quant, step, device, *_), slots in buckets.items():
+            hyper = AdamWHyper.at_step(step, hp.lr, *hp.betas, hp.eps, hp.weight_decay)
+            get_ops(device, cfg.backend).adamw_step(
+                slots, hyper, group_size=cfg.group_size, fmt_m=cfg.first_moment_format,
+                fmt_v=cfg.second_moment_format, dre=cfg.dynamic_range_expansion,
+                skipped=self._skips.counter(device), plan_cache=self._plan_cache)
 
     def _entry(self, p: torch.Tensor, cfg: OptimStateConfig) -> tuple:
         """(local tensor, exp_avg, exp_avg_sq, quantized?) of `p`, creating its state on first
-        use. Cached while the state's tensors and the local shard stay the same objects."""
+        use. Cached while the local shard and every state tensor stay the same objects."""
         local = _local(p)
         state = self.state[p]
         cached = self._entries.get(p)
-        if cached is not None:
-            if cached[0] is local and state.get(cached[4]) is cached[5]:
-                return cached[:4]
-            # The state or shard was replaced behind our back: cached kernel address
-            # tables may point at the old tensors.
-            self._plan_cache.clear()
-        if p.grad is not None and p.grad.is_sparse:
-            raise ValueError("CoatAdamW does not support sparse gradients")
-        if local.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"CoatAdamW needs float32/bfloat16/float16 parameters, got {local.dtype}")
+        if cached is not None and cached[0] is local and cached[4] == tuple(map(id, state.values())):
+            return cached[:4]
         if not state:
             state.update(st.init_state(local, sharded.global_numel(p) >= cfg.min_quant_numel, cfg))
         quant = st.is_quantized(state)
-        anchor = "exp_avg_codes" if quant else "exp_avg"
-        entry = (local, st.moment(state, "exp_avg"), st.moment(state, "exp_avg_sq"), quant, anchor, state[anchor])
+        entry = (local, st.moment(state, "exp_avg"), st.moment(state, "exp_avg_sq"), quant,
+                 tuple(map(id, state.values())))
         self._entries[p] = entry
         return entry[:4]
 
-    def _skip_counter(self, device: torch.device) -> torch.Tensor:
-        if device not in self._skipped:
-            self._skipped[device] = torch.zeros((), dtype=torch.int64, device=device)
-        return self._skipped[device]
-
     def nonfinite_groups(self) -> int:
         """Groups skipped so far for non-finite gradients or moments (reads the device)."""
-        return int(sum(int(c.item()) for c in self._skipped.values()))
+        return self._skips.total()
 
     # -- memory report --------------------------------------------------------------------
 
@@ -171,11 +223,6 @@ class CoatAdamW(torch.optim.Optimizer):
         ids = itertools.chain.from_iterable(g["params"] for g in saved_groups)
         return list(zip(ids, itertools.chain.from_iterable(g["params"] for g in self.param_groups)))
 
-    def _forget_cached(self) -> None:
-        # Kernel address tables and cached state views point at the replaced tensors.
-        self._plan_cache.clear()
-        self._entries.clear()
-
     def state_dict(self) -> dict:
         """As torch's; for DTensor (FSDP2) parameters every shaped state tensor is a DTensor
         on the parameter's mesh (views of the live state, see `optim/sharded.py`), so
@@ -188,23 +235,64 @@ class CoatAdamW(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """As torch's, but state tensors keep their dtypes (FP8 codes stay uint8, metadata
-        and FP32 moments stay float32) and only move to the parameter's device. DTensor
-        state (from `state_dict()` of a sharded optimizer, possibly resharded by DCP) is
-        taken as this rank's local shard."""
+        """As torch's (load hooks included), but state tensors keep their dtypes (FP8 codes
+        stay uint8, metadata and FP32 moments stay float32) and only move to the parameter's
+        device. Accepts torch.optim.AdamW state dicts (their moments are quantized) and older
+        CoatAdamW ones (options they lack keep the optimizer's current values). Everything
+        is checked first: a bad state dict raises ValueError naming the parameter and key,
+        and the optimizer is left as it was. DTensor state (from `state_dict()` of a sharded
+        optimizer, possibly resharded by DCP) is taken as this rank's local shard."""
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        self._install(*self._loaded(state_dict, fp32_only=False))
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _install(self, groups: list[dict], state: dict) -> None:
+        self.__setstate__({"state": state, "param_groups": groups})
+
+    def _loaded(self, state_dict: dict, fp32_only: bool) -> tuple[list[dict], dict]:
+        """(param groups, state) that loading `state_dict` gives, built without touching self."""
+        groups = merge_groups(self.param_groups, copy.deepcopy(state_dict["param_groups"]))
+        cfg_of = {}
+        for i, group in enumerate(groups):
+            try:
+                _, cfg = self._validate(group)
+            except (ValueError, TypeError, KeyError) as e:
+                raise ValueError(f"param_groups[{i}] of the loaded state dict: {e}") from e
+            cfg_of.update((id(p), cfg) for p in group["params"])
+        id_map = dict(self._by_saved_id(state_dict["param_groups"]))
         saved = state_dict["state"]
-        super().load_state_dict({**state_dict, "state": {}})
-        cfg_of = self._config_of()
-        for pid, p in self._by_saved_id(state_dict["param_groups"]):
-            if pid not in saved:
+        for pid in saved:
+            if pid not in id_map:
+                raise ValueError(f"state dict entry for parameter {pid!r} belongs to no param group")
+        state: defaultdict = defaultdict(dict)
+        for pid, p in id_map.items():
+            entry = saved.get(pid)
+            if not entry:
                 continue
-            entry = saved[pid]
-            if isinstance(p, DTensor):
-                entry = sharded.from_dtensor_state(entry, p, cfg_of[id(p)])
-            device = _local(p).device
-            self.state[p] = {k: (v.detach().clone().cpu() if k == "step" else v.detach().to(device, copy=True))
-                             if torch.is_tensor(v) else v for k, v in entry.items()}
-        self._forget_cached()
+            cfg, local = cfg_of[id(p)], _local(p)
+            if not isinstance(entry, dict):
+                raise ValueError(f"state dict entry for parameter {pid}: expected a dict, got {type(entry).__name__}")
+            if is_fp32_layout(entry):
+                entry = sharded.local_fp32_state(entry)
+            elif fp32_only:
+                raise ValueError(f"state dict entry for parameter {pid} holds FP8 state: use load_state_dict")
+            elif isinstance(p, DTensor):
+                try:
+                    entry = sharded.from_dtensor_state(entry, p, cfg)
+                except (RuntimeError, KeyError) as e:
+                    raise ValueError(f"state dict entry for parameter {pid}: {e}") from e
+            check_state(pid, entry, local, cfg)
+            if is_fp32_layout(entry):
+                state[p] = st.from_fp32(entry, local, sharded.global_numel(p) >= cfg.min_quant_numel, cfg)
+            else:
+                state[p] = {k: (torch.as_tensor(v, dtype=torch.float32).detach().clone().cpu() if k == "step"
+                                else v.detach().to(local.device, copy=True)) for k, v in entry.items()}
+        return groups, state
 
     def fp32_state_dict(self) -> dict:
         """This optimizer's state in torch.optim.AdamW's layout (FP32 exp_avg/exp_avg_sq);
@@ -221,14 +309,12 @@ class CoatAdamW(torch.optim.Optimizer):
 
     def load_fp32_state_dict(self, state_dict: dict) -> None:
         """Load a torch.optim.AdamW-layout state dict (e.g. from `fp32_state_dict` or from
-        torch.optim.AdamW itself), quantizing its moments. DTensor moments (of a sharded
-        optimizer) give this rank's local shard."""
-        super().load_state_dict({**state_dict, "state": {}})
-        cfg_of = self._config_of()
-        for pid, p in self._by_saved_id(state_dict["param_groups"]):
-            if pid in state_dict["state"]:
-                cfg = cfg_of[id(p)]
-                quant = sharded.global_numel(p) >= cfg.min_quant_numel
-                fp32 = sharded.local_fp32_state(state_dict["state"][pid])
-                self.state[p] = st.from_fp32(fp32, _local(p), quant, cfg)
-        self._forget_cached()
+        torch.optim.AdamW itself), quantizing its moments, with `load_state_dict`'s checks.
+        DTensor moments (of a sharded optimizer) give this rank's local shard."""
+        self._install(*self._loaded(state_dict, fp32_only=True))
+
+
+def nonfinite_groups(optimizer: torch.optim.Optimizer) -> int:
+    """Groups `optimizer` has skipped for non-finite values so far on this rank: 0 unless it
+    is a CoatAdamW (reads the device)."""
+    return optimizer.nonfinite_groups() if isinstance(optimizer, CoatAdamW) else 0
