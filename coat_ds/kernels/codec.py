@@ -134,7 +134,9 @@ def _decode_fp8_bits(code, FMT: tl.constexpr):
     man = mag & ((1 << MB) - 1)
     normal = (((e + (127 - BIAS)) << 23) | (man << (23 - MB))).to(tl.float32, bitcast=True)
     val = tl.where(e == 0, man.to(tl.float32) * SUB_UNIT, normal)
-    return tl.where(c >= 0x80, -val, val)
+    # The sign goes in as a bit: compiled for a GPU, Triton's `-val` is `0 - val`, which turns
+    # code 0x80 into +0.0 where the hardware conversion (and torch) give -0.0.
+    return (val.to(tl.int32, bitcast=True) | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
