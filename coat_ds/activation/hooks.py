@@ -20,7 +20,7 @@ from ..config import ActivationConfig
 from ..kernels.act_ops import get_act_ops
 from ..kernels.fp8 import get_format
 from .accounting import Ledger, storage_key
-from .packing import FP8Saved, FP8View, Kept, memory_order
+from .packing import FP8Saved, FP8View, Kept, has_gaps, memory_order
 from .policy import KEEP, SKIP, Policy
 from .traced import TRACED_TAG, TracedCodec, code_hash, graph_hook
 
@@ -137,13 +137,19 @@ class SavedTensorCompressor:
             ledger.add_other(t)
             return Kept(t)
         base = t._base
+        if base is not None and _is_parameter(base):
+            # A view of a weight (weight.t() for every linear: a third of all saves) is alive
+            # anyway, which the policy's first rule skips whatever else holds; reading the
+            # other facts first would cost microseconds per save for nothing.
+            ledger.add_skipped(t)
+            return Kept(t)
         root = t if base is None else base
         dtype = t.dtype
         perm = memory_order(t)
         if perm is None:
             gapped, row_len = False, 1
         else:
-            gapped = not (t.permute(perm) if perm else t).is_contiguous()
+            gapped = has_gaps(t, perm)
             row_len = t.shape[perm[-1] if perm else -1] if t.dim() else 1
         # A dense tensor is its first element's address plus its element count; views of the
         # same memory (any shape or strides) share one FP8 copy while its original lives. A
@@ -151,15 +157,14 @@ class SavedTensorCompressor:
         ident = (t.get_device(), t.data_ptr(), t.numel(), dtype)
         # A linear layer saves its input, or a 2-D view of it: same memory, same count.
         linear = self._linear_inputs.get(ident) is not None
+        # Positional: keyword arguments cost a microsecond per saved tensor here. In order:
+        # dtype, numel, row_len, dense_order, grad_flows (False for a statistic such as
+        # logsumexp, or a value computed from inputs that need no gradient: see the docs'
+        # limits), alive_anyway, weight_copy, linear_input.
         kind = self.policy.decide(
-            dtype=dtype, numel=ident[2], row_len=row_len, dense_order=perm is not None,
-            # "No gradient flows through it": a statistic (logsumexp), or a value computed
-            # from inputs that need none (see the docs' limits).
-            grad_flows=t.requires_grad,
-            alive_anyway=(base is not None and _is_parameter(base))
-            or (bool(self._keep.refs) and self._keep.get(storage_key(t)) is not None),
-            weight_copy=dtype in _LOW and _is_weight_copy(root),
-            linear_input=linear)
+            dtype, ident[2], row_len, perm is not None, t.requires_grad,
+            bool(self._keep.refs) and self._keep.get(storage_key(t)) is not None,
+            dtype in _LOW and _is_weight_copy(root), linear)
         if kind is SKIP:
             ledger.add_skipped(t)
             return Kept(t)

@@ -11,7 +11,7 @@ import torch
 
 from .policy import FLOATS, PER_TENSOR
 
-__all__ = ["FLOATS", "FP8Saved", "FP8View", "Kept", "memory_order", "as_is", "check_version"]
+__all__ = ["FLOATS", "FP8Saved", "FP8View", "Kept", "memory_order", "has_gaps", "as_is", "check_version"]
 
 
 def check_version(counter: torch.Tensor, saved: int, dtype: torch.dtype, shape) -> None:
@@ -72,6 +72,21 @@ def memory_order(t: torch.Tensor) -> list[int] | None:
             return None
         span = t.stride(d) * t.shape[d]
     return perm
+
+
+def has_gaps(t: torch.Tensor, perm: list[int]) -> bool:
+    """Whether `t`, non-overlapping with dims in memory order `perm`, skips elements of its
+    storage (read from strides: a permute per saved tensor costs microseconds)."""
+    if not perm:
+        return False
+    span = 1
+    for d in reversed(perm):
+        n = t.shape[d]
+        if n != 1:
+            if t.stride(d) != span:
+                return True
+            span *= n
+    return False
 
 
 class FP8Saved:

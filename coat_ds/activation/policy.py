@@ -46,7 +46,7 @@ class Policy:
         self.min_numel = max(1, config.min_numel)
         self.linear_kind = PER_TENSOR if config.per_tensor_linear_inputs else PER_GROUP
 
-    def decide(self, *, dtype: torch.dtype, numel, row_len, dense_order: bool, grad_flows: bool,
+    def decide(self, dtype: torch.dtype, numel, row_len, dense_order: bool, grad_flows: bool,
                alive_anyway: bool, weight_copy: bool, linear_input: bool) -> str:
         """The storage of one saved tensor.
 
