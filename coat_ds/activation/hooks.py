@@ -114,8 +114,15 @@ class SavedTensorCompressor:
         ops = self._ops.get(dev)
         if ops is None:
             ops = self._ops[dev] = get_act_ops(t.device, self.config.backend)
-            self._empty[dev] = torch.empty(0, device=t.device)
         return ops
+
+    def _empty_for(self, t: torch.Tensor) -> torch.Tensor:
+        """A zero-element tensor on t's device (what FP8Saved swaps its version alias to)."""
+        dev = t.get_device()
+        empty = self._empty.get(dev)
+        if empty is None:
+            empty = self._empty[dev] = torch.empty(0, device=t.device)
+        return empty
 
     def pack(self, t: torch.Tensor):
         ledger = self.ledger
@@ -179,7 +186,7 @@ class SavedTensorCompressor:
             return hit if hit.shape == t.shape and hit.stride == t.stride() else FP8View(hit, t)
         ops = self._ops_for(t)
         saved = FP8Saved(t.detach(), perm, kind, self._formats[linear], self._group_size, ops, weakref.ref(root),
-                         self._empty[ident[0]])
+                         self._empty_for(t))
         self._fp8.add(key, saved)
         ledger.add_compressed(t, root, saved.nbytes)
         return saved
