@@ -50,6 +50,19 @@ def _is_weight_copy(root: torch.Tensor) -> bool:
     return acc is not None and _is_parameter(getattr(acc, "variable", None))
 
 
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+
+
+def _version_alias(t: torch.Tensor) -> torch.Tensor:
+    """`t.detach()`, made where no Python dispatch mode sees it. FP8Saved keeps it for its
+    version counter and swaps its data for an empty tensor; a mode tracking storages by the
+    tensors that use them (the profiler's CPU meter) would count t's storage as held by it."""
+    if _dispatch_modes():
+        with torch._C._DisableTorchDispatch():
+            return t.detach()
+    return t.detach()
+
+
 class _WeakTable:
     """key -> object, valid only while that object lives: keys hold addresses, which the
     allocator reuses once the object is gone. Dead entries are dropped when the table has
@@ -185,7 +198,7 @@ class SavedTensorCompressor:
             hit.pending += 1
             return hit if hit.shape == t.shape and hit.stride == t.stride() else FP8View(hit, t)
         ops = self._ops_for(t)
-        saved = FP8Saved(t.detach(), perm, kind, self._formats[linear], self._group_size, ops, weakref.ref(root),
+        saved = FP8Saved(_version_alias(t), perm, kind, self._formats[linear], self._group_size, ops, weakref.ref(root),
                          self._empty_for(t))
         self._fp8.add(key, saved)
         ledger.add_compressed(t, root, saved.nbytes)
