@@ -19,6 +19,7 @@ def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
 
 def stored_as_is(t: torch.Tensor, out) -> bool:
     """A saved-tensor hook stored `t` itself, or `t` detached: the same memory, no copy."""
+    out = getattr(out, "tensor", out)  # the hooks wrap it with the version it was saved at
     return (isinstance(out, torch.Tensor) and out.data_ptr() == t.data_ptr() and out.shape == t.shape
             and out.stride() == t.stride() and out.dtype == t.dtype)
 

@@ -111,3 +111,38 @@ def test_launch_cache_key_separates_what_triton_specializes_on():
     assert _spec((1,)) != _spec((33,))
     assert _spec((2**31 + 16,)) != _spec((16,))
     assert _spec((1.5,)) == _spec((3.0e38,))
+
+
+# numpy warns when the interpreter's software FP8 cast sees inf or NaN; those codes are replaced.
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_non_finite_values_pass_through_and_do_not_set_scales(backend, fmt, device):
+    # A masked logit (-inf) used to become its group's (or tensor's) max: the scale went to
+    # 2**126 and every finite value of the group decoded to 0.
+    ops = _triton() if backend == "triton" else get_act_ops(torch.device("cpu"), "torch")
+    dev = device if backend == "triton" else "cpu"
+    for dtype in (torch.float32, torch.bfloat16):
+        x = _data((6, 40), dtype, dev, seed=7)
+        special = torch.zeros(6, 40, dtype=torch.bool, device=dev)
+        special[0, 3], special[1, ::5], special[2, 17], special[3] = True, True, True, True  # row 3: all
+        x = x.masked_fill(special, float("-inf"))
+        x[0, 3], x[2, 17] = float("inf"), float("nan")
+        finite = x.masked_fill(special, 0.0)
+        for quant, dequant, args in ((ops.quantize_rows, ops.dequantize_rows, (16, fmt)),
+                                     (ops.quantize_tensor, ops.dequantize_tensor, (fmt,))):
+            codes, exps = quant(x, *args)
+            want_codes, want_exps = quant(finite, *args)
+            # Finite values are stored exactly as if the non-finite ones were zeros.
+            assert torch.equal(codes[~special], want_codes[~special]) and torch.equal(exps, want_exps)
+            y = dequant(codes, exps, *args, dtype)
+            assert torch.equal(y[special].isnan(), x[special].isnan())
+            assert torch.equal(y[special].nan_to_num(0.0), x[special].nan_to_num(0.0))  # +-inf exactly
+            assert torch.equal(y[~special], dequant(want_codes, want_exps, *args, dtype)[~special])
+            assert _sqnr_db(x[~special], y[~special]) > 30.0 - 6.0 * (fmt == "e5m2")
+            # The torch twin agrees bit for bit.
+            ref_ops = (ref.act_quantize_rows, ref.act_dequantize_rows) if quant is ops.quantize_rows else (
+                ref.act_quantize_tensor, ref.act_dequantize_tensor)
+            rc, re = ref_ops[0](x.cpu(), *args)
+            assert torch.equal(rc, codes.cpu()) and torch.equal(re, exps.cpu())

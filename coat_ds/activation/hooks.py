@@ -1,4 +1,5 @@
-"""The saved-tensor hooks: what to store in FP8, at which granularity, and what to leave alone.
+"""The saved-tensor hooks: the eager facts about each saved tensor, handed to the policy
+(policy.py) that decides what to store in FP8, at which granularity, and what to leave alone.
 
 `pack` runs for every tensor autograd saves, on the host, while the GPU runs ahead; any
 microsecond here is paid per saved tensor and shows in step time once the host falls
@@ -19,7 +20,8 @@ from ..config import ActivationConfig
 from ..kernels.act_ops import get_act_ops
 from ..kernels.fp8 import get_format
 from .accounting import Ledger, storage_key
-from .packing import FLOATS, PER_GROUP, PER_TENSOR, FP8Saved, FP8View, as_is, memory_order
+from .packing import FP8Saved, FP8View, Kept, has_gaps, memory_order
+from .policy import KEEP, SKIP, Policy
 from .traced import TRACED_TAG, TracedCodec, code_hash, graph_hook
 
 __all__ = ["SavedTensorCompressor"]
@@ -27,12 +29,38 @@ __all__ = ["SavedTensorCompressor"]
 _PLAIN = torch.Tensor
 _is_compiling = torch.compiler.is_compiling
 _TRACED = (FakeTensor, FunctionalTensor)
+_LOW = (torch.bfloat16, torch.float16)  # what autocast casts weights to
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
     # nn.Parameter's isinstance is a Python metaclass hook; a plain torch.Tensor is never a
     # Parameter (only subclass instances carry the `_is_param` mark it also accepts).
     return type(t) is not _PLAIN and isinstance(t, nn.Parameter)
+
+
+def _is_weight_copy(root: torch.Tensor) -> bool:
+    """`root` is a dtype conversion of a parameter: autocast's BF16 copy of an FP32 weight
+    (a plain tensor whose grad_fn casts straight from the parameter's AccumulateGrad).
+    Its FP8 error would reach every gradient that weight touches, as a weight's would."""
+    fn = root.grad_fn
+    if fn is None or type(fn).__name__ != "ToCopyBackward0":
+        return False
+    nxt = fn.next_functions
+    acc = nxt[0][0] if nxt else None
+    return acc is not None and _is_parameter(getattr(acc, "variable", None))
+
+
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+
+
+def _version_alias(t: torch.Tensor) -> torch.Tensor:
+    """`t.detach()`, made where no Python dispatch mode sees it. FP8Saved keeps it for its
+    version counter and swaps its data for an empty tensor; a mode tracking storages by the
+    tensors that use them (the profiler's CPU meter) would count t's storage as held by it."""
+    if _dispatch_modes():
+        with torch._C._DisableTorchDispatch():
+            return t.detach()
+    return t.detach()
 
 
 class _WeakTable:
@@ -73,12 +101,11 @@ class SavedTensorCompressor:
         self._linear_inputs = _WeakTable()
         self._keep = _WeakTable()
         self._ops: dict[tuple[str, int], object] = {}
-        self._min_numel = max(1, config.min_numel)
-        other = (PER_GROUP, get_format(config.other_format))
-        linear = (PER_TENSOR if config.per_tensor_linear_inputs else PER_GROUP, get_format(config.linear_input_format))
-        self._kinds = {False: other, True: linear}
+        self._empty: dict[int, torch.Tensor] = {}
+        self.policy = Policy(config)
+        self._formats = {False: get_format(config.other_format), True: get_format(config.linear_input_format)}
         self._group_size = config.group_size
-        self._traced = TracedCodec(config)
+        self._traced = TracedCodec(config, self.policy)
         cache_hash = code_hash(config)
         # pack/unpack looked up per call, so that a wrapper set on the instance (tests,
         # benchmarks) is used.
@@ -102,6 +129,14 @@ class SavedTensorCompressor:
             ops = self._ops[dev] = get_act_ops(t.device, self.config.backend)
         return ops
 
+    def _empty_for(self, t: torch.Tensor) -> torch.Tensor:
+        """A zero-element tensor on t's device (what FP8Saved swaps its version alias to)."""
+        dev = t.get_device()
+        empty = self._empty.get(dev)
+        if empty is None:
+            empty = self._empty[dev] = torch.empty(0, device=t.device)
+        return empty
+
     def pack(self, t: torch.Tensor):
         ledger = self.ledger
         if type(t) is not _PLAIN:
@@ -117,51 +152,61 @@ class SavedTensorCompressor:
             else:
                 # Tensor subclasses (DTensor, FP8 wrappers) are not ours to copy.
                 ledger.add_other(t)
-            return as_is(t)
-        base = t._base
-        root = t if base is None else base
-        if base is not None and _is_parameter(base):
-            ledger.add_skipped(t)
-            return as_is(t)
+            return Kept(t)
         if not (t.is_cuda or t.is_cpu):
             ledger.add_other(t)
-            return as_is(t)
-        if t.dtype not in FLOATS or t.numel() < self._min_numel:
-            ledger.add_kept(t, root)
-            return as_is(t)
-        if self._keep.refs and self._keep.get(storage_key(t)) is not None:
+            return Kept(t)
+        base = t._base
+        if base is not None and _is_parameter(base):
+            # A view of a weight (weight.t() for every linear: a third of all saves) is alive
+            # anyway, which the policy's first rule skips whatever else holds; reading the
+            # other facts first would cost microseconds per save for nothing.
             ledger.add_skipped(t)
-            return as_is(t)
+            return Kept(t)
+        root = t if base is None else base
+        dtype = t.dtype
         perm = memory_order(t)
-        # A statistic stays as it is: an op's output that no gradient flows through (the
-        # logsumexp attention's backward rebuilds its probabilities from), or one value per
-        # row (a norm's rsqrt). One FP8 error there scales a whole row of gradients; the
-        # bytes are a sliver of the activations'.
-        if perm is None or not t.requires_grad or t.shape[perm[-1] if perm else -1] == 1:
-            ledger.add_kept(t, root)
-            return as_is(t)
+        if perm is None:
+            gapped, row_len = False, 1
+        else:
+            gapped = has_gaps(t, perm)
+            row_len = t.shape[perm[-1] if perm else -1] if t.dim() else 1
         # A dense tensor is its first element's address plus its element count; views of the
-        # same memory (any shape or strides) share one FP8 copy while its original lives.
-        ident = (t.get_device(), t.data_ptr(), t.numel(), t.dtype)
-        key = (*ident, t._version)
+        # same memory (any shape or strides) share one FP8 copy while its original lives. A
+        # view with gaps is copied dense: only the same view of it can share that copy.
+        ident = (t.get_device(), t.data_ptr(), t.numel(), dtype)
+        # A linear layer saves its input, or a 2-D view of it: same memory, same count.
+        linear = self._linear_inputs.get(ident) is not None
+        # Positional: keyword arguments cost a microsecond per saved tensor here. In order:
+        # dtype, numel, row_len, dense_order, grad_flows (False for a statistic such as
+        # logsumexp, or a value computed from inputs that need no gradient: see the docs'
+        # limits), alive_anyway, weight_copy, linear_input.
+        kind = self.policy.decide(
+            dtype, ident[2], row_len, perm is not None, t.requires_grad,
+            bool(self._keep.refs) and self._keep.get(storage_key(t)) is not None,
+            dtype in _LOW and _is_weight_copy(root), linear)
+        if kind is SKIP:
+            ledger.add_skipped(t)
+            return Kept(t)
+        if kind is KEEP:
+            ledger.add_kept(t, root)
+            return Kept(t)
+        key = (*ident, t._version, t.shape, t.stride()) if gapped else (*ident, t._version)
         hit = self._fp8.get(key)
         if hit is not None and hit.origin() is not None:
-            same = hit.shape == t.shape and hit.stride == t.stride()
-            # A gapped tensor's copy comes back dense: another view of its memory is not a view of that.
-            if same or not hit.gapped:
-                ledger.dedup_hits += 1
-                hit.pending += 1
-                return hit if same else FP8View(hit, t)
-        # A linear layer saves its input, or a 2-D view of it: same memory, same count.
-        kind, fmt = self._kinds[self._linear_inputs.get(ident) is not None]
-        saved = FP8Saved(t.detach(), perm, kind, fmt, self._group_size, self._ops_for(t), weakref.ref(root))
+            ledger.dedup_hits += 1
+            hit.pending += 1
+            return hit if hit.shape == t.shape and hit.stride == t.stride() else FP8View(hit, t)
+        ops = self._ops_for(t)
+        saved = FP8Saved(_version_alias(t), perm, kind, self._formats[linear], self._group_size, ops, weakref.ref(root),
+                         self._empty_for(t))
         self._fp8.add(key, saved)
         ledger.add_compressed(t, root, saved.nbytes)
         return saved
 
     def unpack(self, saved):
         kind = type(saved)
-        if kind is FP8Saved or kind is FP8View:
+        if kind is FP8Saved or kind is FP8View or kind is Kept:
             return saved.restore()
         if kind is tuple and saved and saved[0] == TRACED_TAG:
             return self._traced.unpack(saved)

@@ -9,11 +9,25 @@ import weakref
 
 import torch
 
-__all__ = ["PER_TENSOR", "PER_GROUP", "FLOATS", "FP8Saved", "FP8View", "memory_order", "as_is"]
+from .policy import FLOATS, PER_TENSOR
 
-PER_TENSOR = "per_tensor"
-PER_GROUP = "per_group"
-FLOATS = frozenset((torch.float32, torch.bfloat16, torch.float16))  # the dtypes we ever quantize
+__all__ = ["FLOATS", "FP8Saved", "FP8View", "Kept", "memory_order", "has_gaps", "as_is", "check_version"]
+
+
+def check_version(counter: torch.Tensor, saved: int, dtype: torch.dtype, shape) -> None:
+    """Raise autograd's own error if the tensor saved at version `saved` was modified in
+    place since. Autograd checks the tensors it saves itself, but not those handed to
+    saved-tensor hooks: without this, backward would silently use the FP8 snapshot (or the
+    modified values) where plain autograd refuses. `counter` shares the saved tensor's
+    version counter (a detached alias, possibly emptied: see FP8Saved)."""
+    now = counter._version
+    if now != saved:
+        kind = torch.empty(0, dtype=dtype).type()
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: [{kind} {list(shape)}], saved for backward (through coat_ds's saved-tensor "
+            f"hooks), is at version {now}; expected version {saved} instead. Hint: the tensor was "
+            "changed in place between forward and backward; clone it before modifying it.")
 
 
 def as_is(t: torch.Tensor) -> torch.Tensor:
@@ -24,6 +38,20 @@ def as_is(t: torch.Tensor) -> torch.Tensor:
     an exception in forward (an out-of-memory error) it would keep the whole graph alive,
     and through ZeRO-3's backward hooks the model, its partitions and the optimizer."""
     return t.detach() if t.grad_fn is not None else t
+
+
+class Kept:
+    """A saved tensor stored as it is, with the version it was saved at."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor):
+        self.tensor, self.version = as_is(t), t._version
+
+    def restore(self) -> torch.Tensor:
+        t = self.tensor
+        check_version(t, self.version, t.dtype, t.shape)
+        return t
 
 
 def memory_order(t: torch.Tensor) -> list[int] | None:
@@ -46,14 +74,31 @@ def memory_order(t: torch.Tensor) -> list[int] | None:
     return perm
 
 
+def has_gaps(t: torch.Tensor, perm: list[int]) -> bool:
+    """Whether `t`, non-overlapping with dims in memory order `perm`, skips elements of its
+    storage (read from strides: a permute per saved tensor costs microseconds)."""
+    if not perm:
+        return False
+    span = 1
+    for d in reversed(perm):
+        n = t.shape[d]
+        if n != 1:
+            if t.stride(d) != span:
+                return True
+            span *= n
+    return False
+
+
 class FP8Saved:
     """FP8 codes plus power-of-two scale exponents of one saved tensor."""
 
     __slots__ = ("codes", "exps", "kind", "fmt", "group_size", "dtype", "inverse", "ops", "_restored",
-                 "pending", "origin", "shape", "stride", "gapped", "__weakref__")
+                 "pending", "origin", "shape", "stride", "gapped", "counter", "version", "__weakref__")
 
-    def __init__(self, t: torch.Tensor, perm: list[int], kind: str, fmt, group_size: int, ops, origin: weakref.ref):
-        """`t` must not require grad (the hooks pass it detached); `fmt` an Fp8Format."""
+    def __init__(self, t: torch.Tensor, perm: list[int], kind: str, fmt, group_size: int, ops, origin: weakref.ref,
+                 empty: torch.Tensor):
+        """`t`: a detached alias of the saved tensor, which this takes over (below); `fmt` an
+        Fp8Format; `empty`: a zero-element tensor on t's device."""
         x = t.permute(perm) if perm else t
         # A view with gaps holds its whole storage alive (v holds all of a fused qkv output);
         # its own elements are copied dense and come back dense, in the same dim order:
@@ -80,6 +125,13 @@ class FP8Saved:
         # unpacked; while some remain, the restored tensor is held.
         self.pending = 1
         self.origin = origin  # weak reference to the tensor compressed
+        # In-place changes after the save must fail backward as they do without hooks, also
+        # when the original is gone by then (modified, then freed). `t` shares the original's
+        # version counter; swapping its data for an empty tensor keeps the counter and lets
+        # the storage go (`.data =` does not bump the version).
+        self.version = t._version
+        t.data = empty
+        self.counter = t
 
     @property
     def nbytes(self) -> int:
@@ -94,6 +146,7 @@ class FP8Saved:
         be dequantized again for each (a launch and a full write each time). Holding it
         costs no more than BF16 autograd, which keeps the original until the last of those
         nodes has run."""
+        check_version(self.counter, self.version, self.dtype, self.shape)
         x = self._restored
         if isinstance(x, weakref.ref):
             x = x()

@@ -9,23 +9,25 @@ compiled function runs with the hooks disabled. Inductor then fuses the quantiza
 the kernels that produce the tensor and the dequantization into those that read it back,
 and no Python runs per saved tensor: the host cost that dominates the eager path is gone.
 
-Here the tensor is quantized per group (1 x group_size, the non-linear inputs' granularity)
-whatever op saved it: a graph's saved value does not say which op it feeds. Tensors are
-quantized in memory order and come back with their strides."""
+What to keep exact is decided by the same policy as eagerly (policy.py), from facts read off
+the forward and backward graphs. A compressed value is quantized per group (1 x group_size,
+the non-linear inputs' granularity) whatever op saved it: a graph's saved value does not say
+which op it feeds. Tensors are quantized in memory order and come back with their strides."""
 from __future__ import annotations
 
 import hashlib
 import operator
+import sys
+import weakref
 from pathlib import Path
 
 import torch
 import torch._functorch.config as functorch_config
-from torch.fx.experimental.symbolic_shapes import statically_known_true
-
 from ..config import ActivationConfig
 from ..kernels import fp8, reference
 from ..kernels.fp8 import get_format
-from .packing import FLOATS, memory_order
+from .packing import memory_order
+from .policy import KEEP, SKIP, Policy
 
 __all__ = ["graph_hook", "code_hash", "compile_settings", "TracedCodec", "TRACED_TAG"]
 
@@ -87,52 +89,102 @@ def graph_hook(fn, cache_hash: str) -> torch.fx.GraphModule:
     return gm
 
 
-def _kept_as_is() -> bool:
-    """Whether the graph says to store the saved value as it is:
-    * it outlives the graph whatever we do: a graph input that gets no gradient (the
-      caller's data, rope tables), or a value also returned to the caller;
-    * it is an op's auxiliary output that only that op's backward reads (attention's
-      logsumexp; no gradient flows through it): a statistic, see hooks.py.
-    Without the graph context we are offered intermediates only (FILTERING_MODE)."""
+# Ops through which a saved value is still its input's memory or a cast of it.
+_VIEWS = {torch.ops.aten.t.default, torch.ops.aten.permute.default, torch.ops.aten.view.default,
+          torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default, torch.ops.aten.transpose.int,
+          torch.ops.aten.expand.default, torch.ops.aten.alias.default, torch.ops.aten.unsqueeze.default}
+_CASTS = {torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default}
+
+
+def _static_input_indices() -> list[int]:
+    """Indices of the forward graph's static inputs (parameters, buffers), which AOTAutograd
+    holds only as a local of the function that calls the pack (it offers them to no hook).
+    Empty where that function is not found (another torch version): casts of weights are
+    then compressed as activations are, as before this was read."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "maybe_inline_graph_saved_tensors_hooks":
+            return list(frame.f_locals.get("static_input_indices") or ())
+        frame = frame.f_back
+    return []
+
+
+class _GraphFacts:
+    """What one forward graph says about its values, computed once per graph."""
+
+    def __init__(self, fw: torch.fx.Graph, bw: torch.fx.Graph):
+        inputs = list(fw.find_nodes(op="placeholder"))
+        grads = bw.output_node().args[0]
+        # The backward graph returns one gradient per forward input, None where none flows;
+        # if the counts differ we cannot tell, and count every input as getting one.
+        known = len(grads) == len(inputs)
+        self.grad_inputs = {p for i, p in enumerate(inputs) if not known or grads[i] is not None}
+        self.mapped = known
+        self.static = {inputs[i] for i in _static_input_indices() if i < len(inputs)}
+        # A value a gradient flows through is computed from an input that gets one (graph
+        # order is topological). Rope tables built in the graph from a buffer and integer
+        # positions are not: they are kept exact, as eagerly (requires_grad False).
+        flows = set(self.grad_inputs)
+        for node in fw.nodes:
+            if node.op == "call_function" and any(a in flows for a in node.all_input_nodes):
+                flows.add(node)
+        self.flows = flows
+        self.fw_outs = fw.output_node().args[0]
+
+    def of(self, node) -> dict:
+        """Policy facts of the saved value `node`."""
+        if sum(o is node for o in self.fw_outs) > 1:
+            return dict(alive_anyway=True, grad_flows=True, weight_copy=False)  # returned and saved
+        if node.op == "placeholder":
+            # A graph input that gets no gradient (the caller's data) outlives the graph.
+            return dict(alive_anyway=not self.mapped or node not in self.grad_inputs, grad_flows=True,
+                        weight_copy=False)
+        # An op's auxiliary output that only its backward reads (attention's logsumexp; no
+        # gradient flows through it) is a statistic.
+        aux = node.target is operator.getitem and all(u.op == "output" for u in node.users)
+        src, cast = node, False
+        while src.op == "call_function" and (src.target in _VIEWS or src.target in _CASTS) and src.args:
+            cast = cast or src.target in _CASTS
+            src = src.args[0]
+        weight = src in self.static
+        return dict(alive_anyway=weight and not cast, grad_flows=node in self.flows and not aux,
+                    weight_copy=weight and cast)
+
+
+_FACTS: "weakref.WeakKeyDictionary[torch.fx.Graph, _GraphFacts]" = weakref.WeakKeyDictionary()
+
+
+def _saved_value_facts() -> dict:
+    """Policy facts of the value being packed, from the graph context AOTAutograd hands the
+    hook. Without that context we are offered intermediates only (FILTERING_MODE)."""
     ctx = _get_saved_tensor_hook_context() if _get_saved_tensor_hook_context is not None else None
     if ctx is None:
-        return _get_saved_tensor_hook_context is not None
+        alive = _get_saved_tensor_hook_context is not None
+        return dict(alive_anyway=alive, grad_flows=True, weight_copy=False)
     node, fw, bw = ctx.get("_node"), ctx.get("_fw_graph"), ctx.get("_bw_graph")
     if node is None or fw is None or bw is None:
-        return True
-    fw_outs = fw.output_node().args[0]
-    if sum(o is node for o in fw_outs) > 1:
-        return True  # returned and saved
-    if node.op != "placeholder":
-        return node.target is operator.getitem and all(u.op == "output" for u in node.users)
-    inputs = list(fw.find_nodes(op="placeholder"))
-    grads = bw.output_node().args[0]
-    if len(grads) != len(inputs):
-        return True
-    # The backward graph returns one gradient per forward input, None where none flows.
-    return grads[inputs.index(node)] is None
+        return dict(alive_anyway=True, grad_flows=True, weight_copy=False)
+    facts = _FACTS.get(fw)
+    if facts is None:
+        facts = _FACTS[fw] = _GraphFacts(fw, bw)
+    return facts.of(node)
 
 
 class TracedCodec:
     """pack/unpack bodies traced into compiled graphs (torch ops only, shapes static)."""
 
-    def __init__(self, config: ActivationConfig):
+    def __init__(self, config: ActivationConfig, policy: Policy | None = None):
         self.fmt = get_format(config.other_format)
         self.group_size = config.group_size
-        self.min_numel = max(1, config.min_numel)
+        self.policy = policy if policy is not None else Policy(config)
 
     def pack(self, t: torch.Tensor):
-        # With dynamic shapes numel is symbolic: only a tensor known to be small is kept.
-        if t.dtype not in FLOATS or statically_known_true(t.numel() < self.min_numel):
-            return t
         perm = memory_order(t)
-        if perm is None or _kept_as_is():
-            return t
         x = t.permute(perm) if perm else t
-        if not x.is_contiguous():
+        kind = self.policy.decide(dtype=t.dtype, numel=t.numel(), row_len=x.shape[-1] if x.dim() else 1,
+                                  dense_order=perm is not None, linear_input=False, **_saved_value_facts())
+        if kind is SKIP or kind is KEEP or not x.is_contiguous():
             return t  # a view with gaps: the eager path copies it; a graph rarely saves one
-        if statically_known_true(x.shape[-1] == 1):
-            return t  # one value per row: a statistic (see hooks.py)
         codes, exps = reference.act_quantize_rows(x, self.group_size, self.fmt)
         inverse = tuple(perm.index(d) for d in range(len(perm))) if perm else ()
         return TRACED_TAG, codes, exps, t.dtype, inverse

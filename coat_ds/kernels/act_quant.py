@@ -15,6 +15,10 @@ of a non-negative float order like the float, NaN above inf as torch's amax has 
 the quantizer reads that max back from device memory: two launches and a memset, no host
 sync. Offsets inside a program are int32 from an int64 block base: 64-bit arithmetic per
 element would cost instructions on the GPU for nothing.
+
+Non-finite values pass through exactly (`reference.ACT_POS_INF` and co. say how): every max
+is over the finite values only, so a masked -inf logit cannot turn its group's finite values
+into zeros. That costs a compare and a few selects per element, nothing in memory traffic.
 """
 from __future__ import annotations
 
@@ -22,8 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .codec import decode_fp8, encode_fp8, pow2, scale_exponent
+from . import reference
 from .act_launch import launch
+from .codec import decode_fp8, encode_fp8, pow2, scale_exponent
 from .fp8 import get_format, kernel_isa
 
 __all__ = ["quantize_tensor", "dequantize_tensor", "quantize_rows", "dequantize_rows", "BLOCK_ELEMS"]
@@ -52,12 +57,45 @@ def _scale_exponent(amax, FMT: tl.constexpr):
     return tl.minimum(tl.maximum(scale_exponent(amax, FMT), -126), 126)
 
 
+_POS_INF = tl.constexpr(reference.ACT_POS_INF)
+_NEG_INF = tl.constexpr(reference.ACT_NEG_INF)
+_NAN = tl.constexpr(reference.ACT_NAN)
+
+
+@triton.jit
+def _finite_abs(x):
+    a = tl.abs(x)
+    return tl.where(a < float("inf"), a, 0.0)  # NaN compares false too
+
+
+@triton.jit
+def _encode_act(x, e, FMT: tl.constexpr, ISA: tl.constexpr):
+    """Codes of float32 `x` scaled by 2**-e (e broadcastable to x), non-finite values as
+    their own codes, finite zeros as +0."""
+    c = encode_fp8(x * pow2(-e), FMT, ISA)
+    c = tl.where(c == _NAN, 0, c)
+    c = tl.where(x == float("inf"), _POS_INF, c)
+    c = tl.where(x == float("-inf"), _NEG_INF, c)
+    return tl.where(x != x, _NAN, c).to(tl.uint8)
+
+
+@triton.jit
+def _decode_act(c, e, out_max, FMT: tl.constexpr, ISA: tl.constexpr):
+    """Inverse of `_encode_act`, clamped to the output dtype's finite range: rounding up at
+    the top of the fp32/fp16 range must not turn a finite input into inf."""
+    x = decode_fp8(c, FMT, ISA) * pow2(e)
+    x = tl.minimum(tl.maximum(x, -out_max), out_max)
+    x = tl.where(c == _POS_INF, float("inf"), x)
+    x = tl.where(c == _NEG_INF, float("-inf"), x)
+    return tl.where(c == _NAN, float("nan"), x)
+
+
 @triton.jit
 def _absmax_kernel(x_ptr, amax_bits_ptr, n, BLOCK: tl.constexpr):
     base = tl.program_id(0).to(tl.int64) * BLOCK
     offs = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + base + offs, mask=offs < n - base, other=0.0).to(tl.float32)
-    block_max = tl.max(tl.abs(x), axis=0)
+    block_max = tl.max(_finite_abs(x), axis=0)
     tl.atomic_max(amax_bits_ptr, block_max.to(tl.int32, bitcast=True))
 
 
@@ -72,7 +110,7 @@ def _quantize_tensor_kernel(x_ptr, amax_bits_ptr, exp_ptr, codes_ptr, n, FMT: tl
     e = _scale_exponent(tl.load(amax_bits_ptr).to(tl.float32, bitcast=True), FMT)
     if pid == 0:
         tl.store(exp_ptr, e)
-    tl.store(codes_ptr + base + offs, encode_fp8(x * pow2(-e), FMT, ISA), mask=mask)
+    tl.store(codes_ptr + base + offs, _encode_act(x, e, FMT, ISA), mask=mask)
 
 
 @triton.jit
@@ -82,9 +120,7 @@ def _dequantize_tensor_kernel(codes_ptr, exp_ptr, out_ptr, n, out_max, FMT: tl.c
     offs = tl.arange(0, BLOCK)
     mask = offs < n - base
     e = tl.load(exp_ptr)
-    x = decode_fp8(tl.load(codes_ptr + base + offs, mask=mask, other=0), FMT, ISA) * pow2(e)
-    # Rounding up at the top of the fp32/fp16 range could overflow; keep results finite.
-    x = tl.minimum(tl.maximum(x, -out_max), out_max)
+    x = _decode_act(tl.load(codes_ptr + base + offs, mask=mask, other=0), e, out_max, FMT, ISA)
     tl.store(out_ptr + base + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -127,8 +163,8 @@ def _quantize_rows_kernel(x_ptr, codes_ptr, exp_ptr, n_groups, cols, gpr,
     offs, valid, gl = _row_group_offsets(g0, n_groups, cols, gpr, G, BG, EVEN)
     base = _row_base(g0, cols, gpr, G, EVEN)
     x = tl.load(x_ptr + base + offs, mask=valid, other=0.0).to(tl.float32)
-    e = _scale_exponent(tl.max(tl.abs(x), axis=1), FMT)
-    tl.store(codes_ptr + base + offs, encode_fp8(x * pow2(-e)[:, None], FMT, ISA), mask=valid)
+    e = _scale_exponent(tl.max(_finite_abs(x), axis=1), FMT)
+    tl.store(codes_ptr + base + offs, _encode_act(x, e[:, None], FMT, ISA), mask=valid)
     tl.store(exp_ptr + g0 + gl, e.to(tl.int8), mask=gl < n_groups - g0)
 
 
@@ -140,8 +176,7 @@ def _dequantize_rows_kernel(codes_ptr, exp_ptr, out_ptr, n_groups, cols, gpr, ou
     offs, valid, gl = _row_group_offsets(g0, n_groups, cols, gpr, G, BG, EVEN)
     base = _row_base(g0, cols, gpr, G, EVEN)
     e = tl.load(exp_ptr + g0 + gl, mask=gl < n_groups - g0, other=0).to(tl.int32)
-    x = decode_fp8(tl.load(codes_ptr + base + offs, mask=valid, other=0), FMT, ISA) * pow2(e)[:, None]
-    x = tl.minimum(tl.maximum(x, -out_max), out_max)
+    x = _decode_act(tl.load(codes_ptr + base + offs, mask=valid, other=0), e[:, None], out_max, FMT, ISA)
     tl.store(out_ptr + base + offs, x.to(out_ptr.dtype.element_ty), mask=valid)
 
 

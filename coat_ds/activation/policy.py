@@ -1,0 +1,68 @@
+"""What a saved tensor is stored as: the one decision both the eager hooks and the compiled
+graphs make, from facts each path reads in its own way (tensor attributes eagerly, the
+forward and backward graphs under torch.compile).
+
+Four outcomes:
+* SKIP: alive anyway (a weight, a buffer, a tensor the caller holds): a copy only adds
+  memory. Not counted as activation bytes.
+* KEEP: stored exactly as it is, counted: tensors whose FP8 error would steer whole rows of
+  the gradient or be amplified (statistics, tensors no gradient flows through such as rope
+  tables, low-precision copies of weights), and tensors where FP8 saves nothing (integers,
+  tiny tensors, overlapping views).
+* PER_TENSOR: one scale per tensor (linear-layer inputs, what FP8 GEMMs consume).
+* PER_GROUP: one scale per 1 x G group along the stride-1 dim (everything else).
+
+Non-finite values are no reason to keep a tensor: the codecs pass +-inf and NaN through
+exactly and take scales from the finite values only."""
+from __future__ import annotations
+
+import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from ..config import ActivationConfig
+
+__all__ = ["SKIP", "KEEP", "PER_TENSOR", "PER_GROUP", "FLOATS", "Policy"]
+
+SKIP = "skip"
+KEEP = "keep"
+PER_TENSOR = "per_tensor"
+PER_GROUP = "per_group"
+FLOATS = frozenset((torch.float32, torch.bfloat16, torch.float16))  # the dtypes we ever quantize
+
+
+def _known(cond) -> bool:
+    # Eagerly a plain bool; under dynamic shapes a symbolic one, true only if provable, so
+    # that deciding never adds a guard (an unknown size is compressed).
+    return cond if type(cond) is bool else statically_known_true(cond)
+
+
+class Policy:
+    """`decide(...)` for one configuration. Called once per saved tensor on the eager hot
+    path, so it is a few comparisons on arguments the caller already has."""
+
+    __slots__ = ("min_numel", "linear_kind")
+
+    def __init__(self, config: ActivationConfig):
+        self.min_numel = max(1, config.min_numel)
+        self.linear_kind = PER_TENSOR if config.per_tensor_linear_inputs else PER_GROUP
+
+    def decide(self, dtype: torch.dtype, numel, row_len, dense_order: bool, grad_flows: bool,
+               alive_anyway: bool, weight_copy: bool, linear_input: bool) -> str:
+        """The storage of one saved tensor.
+
+        dtype, numel: the tensor's; numel may be symbolic.
+        row_len: elements along its stride-1 dim (symbolic or not); 1 means one value per row.
+        dense_order: some order of its dims makes it a dense or gapped block (False: it
+            overlaps itself, an expanded view whose elements outnumber its storage's).
+        grad_flows: a gradient flows through it (False: a statistic such as logsumexp, or a
+            value computed only from inputs that need no gradient, such as rope tables).
+        alive_anyway: it outlives the region whatever we do (weights, buffers, caller's data).
+        weight_copy: a dtype conversion of a weight (autocast's BF16 copy of an FP32 weight).
+        linear_input: it is the input of a linear layer (eager path only)."""
+        if alive_anyway:
+            return SKIP
+        if weight_copy or dtype not in FLOATS or not dense_order or not grad_flows:
+            return KEEP
+        if _known(numel < self.min_numel) or _known(row_len == 1):
+            return KEEP
+        return self.linear_kind if linear_input else PER_GROUP
