@@ -1,6 +1,6 @@
 """Optimizer-step benchmark: CoatAdamW vs torch.optim.AdamW(fused=True), side by side.
 
-    python bench/optim_step.py [--numel 1.345e9] [--iters 20] [--out results.json] [--portable]
+    python bench/optim_step.py [--numel 1.345e9] [--iters 20] [--out results.json] [--portable] [--peers]
 
 Times (CUDA events, median) one step on (a) one flat FP32 tensor, what ZeRO hands an
 optimizer, and (b) a Llama-1.3B-shaped list of 219 tensors; prints ms/step, state bytes per
@@ -55,19 +55,42 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     return 2 * nbytes / ms / 1e9  # TB/s: read + write
 
 
+def _torchao(name):
+    def make(params):
+        from torchao import optim
+
+        return getattr(optim, name)(params, lr=1e-4, weight_decay=0.01)
+    return make
+
+
+def _bnb_adamw8bit(params):
+    import bitsandbytes as bnb
+
+    return bnb.optim.AdamW8bit(params, lr=1e-4, weight_decay=0.01)
+
+
+# What users pick instead of CoatAdamW (--peers; their wheels travel with bench/prepare_wheels.sh).
+PEERS = {"torchao_AdamWFp8": _torchao("AdamWFp8"), "torchao_AdamW8bit": _torchao("AdamW8bit"),
+         "bnb_AdamW8bit": _bnb_adamw8bit}
+
+
 def run_case(name: str, shapes, opt_name: str, iters: int) -> dict:
     torch.manual_seed(0)
     params = [torch.randn(s, device="cuda") * 0.02 for s in shapes]
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
+    before = torch.cuda.memory_allocated()
     if opt_name == "torch_fused":
         opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
+    elif opt_name in PEERS:
+        opt = PEERS[opt_name](params)
     else:
         opt = CoatAdamW(params, lr=1e-4, weight_decay=0.01)
     set_fp8_conversions("portable" if opt_name == "coat_portable" else "auto")
     try:
         opt.step()  # allocate state, compile
         torch.cuda.synchronize()
+        allocated = torch.cuda.memory_allocated() - before
         if opt_name.startswith("coat"):
             torch.cuda.set_sync_debug_mode("error")  # a host sync inside step() raises
         ms = time_ms(opt.step, iters)
@@ -75,8 +98,12 @@ def run_case(name: str, shapes, opt_name: str, iters: int) -> dict:
         torch.cuda.set_sync_debug_mode("default")
         set_fp8_conversions(None)
     numel = sum(p.numel() for p in params)
-    state = sum(t.numel() * t.element_size() for s in opt.state.values() for k, t in s.items()
-                if torch.is_tensor(t) and k != "step")
+    if opt_name in PEERS:
+        # Their states are tensor subclasses or packed buffers: count what the first step allocated.
+        state = allocated
+    else:
+        state = sum(t.numel() * t.element_size() for s in opt.state.values() for k, t in s.items()
+                    if torch.is_tensor(t) and k != "step")
     out = {"case": name, "optimizer": opt_name, "tensors": len(params), "numel": numel, "ms": ms,
            "state_bytes_per_param": state / numel}
     del opt, params
@@ -105,6 +132,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="time launch shapes on the flat case first")
     ap.add_argument("--portable", action="store_true",
                     help="also time CoatAdamW with the portable (software) FP8 coding forced")
+    ap.add_argument("--peers", action="store_true", help=f"also time {', '.join(PEERS)} (state = bytes their first step allocated)")
     args = ap.parse_args()
     if args.sweep:
         sweep([(int(args.numel),)], args.iters)
@@ -112,7 +140,8 @@ def main() -> None:
     rows = []
     cases = [("flat", [(int(args.numel),)]), ("llama-1.3B list", llama_shapes())]
     for name, shapes in cases:
-        for opt_name in ("torch_fused", "coat") + (("coat_portable",) if args.portable else ()):
+        for opt_name in (("torch_fused", "coat") + (("coat_portable",) if args.portable else ())
+                         + (tuple(PEERS) if args.peers else ())):
             rows.append(run_case(name, shapes, opt_name, args.iters))
             print(rows[-1], flush=True)
     flat_coat = next(r["ms"] for r in rows if r["case"] == "flat" and r["optimizer"] == "coat")
@@ -121,6 +150,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         moved = 16.0 if r["optimizer"].startswith("coat") else 28.0  # p r/w 8 + g 4 + moments r/w
+        if r["optimizer"] in PEERS:
+            moved = 12.0 + 2 * r["state_bytes_per_param"]
         tbs = moved * r["numel"] / r["ms"] / 1e9
         base = next(x["ms"] for x in rows if x["case"] == r["case"] and x["optimizer"] == "torch_fused")
         r.update(bytes_moved_per_param=moved, achieved_tbs=tbs, copy_tbs=bw, speedup_vs_fused=base / r["ms"])
