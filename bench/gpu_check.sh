@@ -9,7 +9,7 @@ source bench/device_env.sh
 OUT=${OUT:-/tmp/gpu_check}; mkdir -p "$OUT"
 OLD=${OLD:-}
 TESTS=${TESTS:-"tests/test_kernels.py tests/test_act_kernels.py tests/test_optim.py tests/test_optim_contract.py tests/test_dre.py tests/test_kernel_paths.py tests/test_fp8_linear.py"}
-"$PYTHON" bench/optim_step.py --iters 30 --portable ${PEERS:+--peers} --out "$OUT/optim_new.json" 2>&1 | tee "$OUT/optim_new.log" | tail -12
+"$PYTHON" bench/optim_step.py --iters 30 --portable ${PEERS:+--peers} --out "$OUT/optim_new.json" 2>&1 | tee "$OUT/optim_new.log" | tail -30
 if [ -n "$OLD" ]; then
     "$PYTHON" "$OLD/bench/optim_step.py" --iters 30 --out "$OUT/optim_old.json" 2>&1 | tee "$OUT/optim_old.log" | tail -8
     # Same process order reversed once more, so drift in clocks shows as a spread.
