@@ -9,7 +9,7 @@ import torch
 
 from . import host, reference
 from .fp8 import E4M3, E5M2, Fp8Format, get_format, kernel_isa, log_reference_path, set_fp8_conversions, triton_usable
-from .layout import SKIPS_MAX, AdamWHyper, AdamWSlot, GroupLayout, QuantizedGroups, group_layout
+from .layout import AdamWHyper, AdamWSlot, GroupLayout, QuantizedGroups, group_layout
 
 __all__ = [
     "get_ops",
@@ -22,7 +22,6 @@ __all__ = [
     "kernel_isa",
     "set_fp8_conversions",
     "AdamWHyper",
-    "SKIPS_MAX",
     "AdamWSlot",
     "GroupLayout",
     "QuantizedGroups",

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from .codec import dequantize_tile, quantize_tile, rcp, round_to_bf16
 from .fp8 import K_ONE, get_format, kernel_isa
-from .layout import SKIPS_MAX, AdamWHyper, AdamWSlot, QuantizedGroups, group_layout
+from .layout import AdamWHyper, AdamWSlot, QuantizedGroups, group_layout
 from .quantize import _group_offsets, tile_shape
 
 __all__ = ["adamw_step"]
@@ -41,7 +41,7 @@ def _ptr(row, i, DTYPE_ID: tl.constexpr, ALIGNED: tl.constexpr):
     elif DTYPE_ID == 3:
         ptr = addr.to(tl.pointer_type(tl.uint8))
     elif DTYPE_ID == 5:
-        ptr = addr.to(tl.pointer_type(tl.int16))
+        ptr = addr.to(tl.pointer_type(tl.int32))
     else:
         ptr = addr.to(tl.pointer_type(tl.int8))
     if ALIGNED:
@@ -83,7 +83,7 @@ def _adamw_kernel(table_ptr, blocks_ptr, skipped_ptr,
                   beta1, beta2, eps, decay, step_size, inv_bc2_sqrt, lr, step, log2_beta1, log2_beta2,
                   P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, QUANT: tl.constexpr,
                   FMT_M: tl.constexpr, FMT_V: tl.constexpr, DRE: tl.constexpr,
-                  KNUM_M: tl.constexpr, KNUM_V: tl.constexpr, SKIPS_MAX: tl.constexpr,
+                  KNUM_M: tl.constexpr, KNUM_V: tl.constexpr,
                   G: tl.constexpr, BG: tl.constexpr, TABLE_COLS: tl.constexpr, ALIGNED: tl.constexpr,
                   ISA: tl.constexpr):
     pid = tl.program_id(0)
@@ -111,7 +111,7 @@ def _adamw_kernel(table_ptr, blocks_ptr, skipped_ptr,
     # A group that skipped s steps is bias-corrected at step - s; one that never skipped
     # takes the host's float64 corrections, as before skips were counted.
     skips_ptr = _ptr(row, 13, 5, ALIGNED)
-    skips = tl.load(skips_ptr + gi, mask=gmask, other=0).to(tl.int32)
+    skips = tl.load(skips_ptr + gi, mask=gmask, other=0)
     n = step - skips.to(tl.float32)
     bc1 = 1.0 - tl.exp2(n * log2_beta1)
     bc2 = 1.0 - tl.exp2(n * log2_beta2)
@@ -128,7 +128,7 @@ def _adamw_kernel(table_ptr, blocks_ptr, skipped_ptr,
     _store_moment(row, 2, m, offs, keep, gi, gkeep, QUANT, FMT_M, DRE, KNUM_M, ALIGNED, ISA)
     _store_moment(row, 6, v, offs, keep, gi, gkeep, QUANT, FMT_V, DRE, KNUM_V, ALIGNED, ISA)
     bad = gmask & ~ok
-    tl.store(skips_ptr + gi, tl.minimum(skips + 1, SKIPS_MAX).to(tl.int16), mask=bad)
+    tl.store(skips_ptr + gi, skips + 1, mask=bad)
     n_bad = tl.sum(bad.to(tl.int32), axis=0)
     if n_bad > 0:
         tl.atomic_add(skipped_ptr, n_bad.to(tl.int64))
@@ -202,7 +202,7 @@ def adamw_step(slots: list[AdamWSlot], hyper: AdamWHyper, *, group_size: int = 1
     # Without a counter per group (tests, benchmarks) no group has skipped before, and a
     # skip is only counted in `skipped`.
     slots = [s if s.skips is not None else s._replace(skips=torch.zeros(
-        group_layout(s.param.shape, group_size).meta_shape, dtype=torch.int16, device=device)) for s in slots]
+        group_layout(s.param.shape, group_size).meta_shape, dtype=torch.int32, device=device)) for s in slots]
     for s in slots:
         if not (s.param.is_contiguous() and s.grad.is_contiguous()):
             raise ValueError("CoatAdamW's Triton step needs contiguous parameters and gradients")
@@ -229,7 +229,7 @@ def adamw_step(slots: list[AdamWSlot], hyper: AdamWHyper, *, group_size: int = 1
         1.0 / hyper.bias_correction2_sqrt, hyper.lr, hyper.step, *hyper.log2_betas(),
         P_DTYPE=_DTYPE_IDS[slots[0].param.dtype], G_DTYPE=_DTYPE_IDS[slots[0].grad.dtype], QUANT=quant,
         FMT_M=fm.id, FMT_V=fv.id, DRE=dre, KNUM_M=K_ONE * fm.dre_log2_range,
-        KNUM_V=K_ONE * fv.dre_log2_range, SKIPS_MAX=SKIPS_MAX, G=group_size, BG=plan.bg, TABLE_COLS=_TABLE_COLS,
+        KNUM_V=K_ONE * fv.dre_log2_range, G=group_size, BG=plan.bg, TABLE_COLS=_TABLE_COLS,
         ALIGNED=plan.aligned,
         ISA=kernel_isa(device),
         num_warps=STEP_WARPS)

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["GroupLayout", "group_layout", "QuantizedGroups", "AdamWSlot", "AdamWHyper", "SKIPS_MAX"]
+__all__ = ["GroupLayout", "group_layout", "QuantizedGroups", "AdamWSlot", "AdamWHyper"]
 
 
 @dataclass(frozen=True)
@@ -58,14 +58,10 @@ class QuantizedGroups(NamedTuple):
         return QuantizedGroups(*(t.to(device) for t in self))
 
 
-# A group's count of skipped steps stops here (int16); see `AdamWSlot.skips`.
-SKIPS_MAX = 32767
-
-
 class AdamWSlot(NamedTuple):
     """One tensor's share of an AdamW step; m and v are FP32 tensors or QuantizedGroups.
 
-    `skips` (int16, (rows, groups_per_row)) counts the steps each group has skipped for
+    `skips` (int32, (rows, groups_per_row)) counts the steps each group has skipped for
     non-finite values, so its bias correction uses step - skips; None: no group has skipped
     one and this step's skips are not recorded per group."""
 

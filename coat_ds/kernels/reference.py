@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .fp8 import K_MAX_CODE, K_MIN_CODE, K_ONE, Fp8Format, get_format
-from .layout import SKIPS_MAX, AdamWHyper, AdamWSlot, QuantizedGroups, group_layout
+from .layout import AdamWHyper, AdamWSlot, QuantizedGroups, group_layout
 
 __all__ = [
     "encode_fp8",
@@ -196,8 +196,7 @@ def adamw_step(
         _moment_out(slot.exp_avg, m, ok, group_size, fm, dre)
         _moment_out(slot.exp_avg_sq, v, ok, group_size, fv, dre)
         if slot.skips is not None:
-            bumped = (slot.skips.to(torch.int32) + 1).clamp_(max=SKIPS_MAX).to(torch.int16)
-            slot.skips.copy_(torch.where(ok, slot.skips, bumped))
+            slot.skips.copy_(torch.where(ok, slot.skips, slot.skips + 1))
         if skipped is not None:
             skipped += (~ok).sum().to(skipped.dtype)
 

@@ -53,7 +53,7 @@ def _check_param(p: torch.Tensor, group: int, index: int) -> None:
 
 
 class CoatAdamW(torch.optim.Optimizer):
-    """AdamW whose moments are stored in FP8 with per-group DRE (about 2.09 bytes/param).
+    """AdamW whose moments are stored in FP8 with per-group DRE (about 2.13 bytes/param).
 
     A drop-in for `torch.optim.AdamW` (decoupled weight decay, bias correction) on float32
     parameters (a BF16/FP16 parameter is refused at the first step). Every option below may

@@ -92,7 +92,7 @@ def check_state(pid, state, local: torch.Tensor, cfg: OptimStateConfig) -> None:
     _check_step(pid, state["step"])
     lay = group_layout(local.shape, cfg.group_size)
     if SKIPS_KEY in state:
-        skips = _check_tensor(pid, SKIPS_KEY, state[SKIPS_KEY], torch.int16, lay.meta_shape)
+        skips = _check_tensor(pid, SKIPS_KEY, state[SKIPS_KEY], torch.int32, lay.meta_shape)
         step = float(state["step"])
         if bool(((skips < 0) | (skips.to(torch.float64) > step)).any()):
             _fail(pid, SKIPS_KEY, f"holds counts outside [0, step = {step:g}]")

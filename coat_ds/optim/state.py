@@ -5,7 +5,7 @@ A parameter whose whole tensor has at least `min_quant_numel` elements keeps, pe
 (float32), `<moment>_kcode` (uint8, DRE exponent * 16) and `<moment>_sexp` (int8, power-of-two
 scale exponent), groups laid out (rows, groups_per_row). Smaller parameters keep FP32
 `exp_avg` / `exp_avg_sq` exactly like torch.optim.AdamW. `step` is a CPU float32 scalar.
-Every parameter also keeps `group_skips` (int16, (rows, groups_per_row)): the steps each
+Every parameter also keeps `group_skips` (int32, (rows, groups_per_row)): the steps each
 group skipped for non-finite values, so that its bias correction uses step - group_skips.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _zero_moment(local: torch.Tensor, group_size: int) -> QuantizedGroups:
 
 
 def zero_skips(local: torch.Tensor, group_size: int) -> torch.Tensor:
-    return torch.zeros(group_layout(local.shape, group_size).meta_shape, dtype=torch.int16, device=local.device)
+    return torch.zeros(group_layout(local.shape, group_size).meta_shape, dtype=torch.int32, device=local.device)
 
 
 def init_state(local: torch.Tensor, quantize: bool, cfg: OptimStateConfig) -> dict:
