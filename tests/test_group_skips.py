@@ -8,6 +8,7 @@ import torch
 
 from coat_ds import CoatAdamW
 from coat_ds.kernels import AdamWHyper, AdamWSlot, get_ops, group_layout, host, reference as R
+from coat_ds.optim.state import moment
 
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.01
 SHAPE = (2, 256)  # four groups of 128
@@ -189,3 +190,27 @@ def test_state_bytes_count_the_skip_counters():
     lay = group_layout(p.shape, 128)
     assert opt.state[p]["group_skips"].shape == lay.meta_shape
     assert opt.state_bytes()["bytes_per_param"] == pytest.approx(2 + 2 * 6 / 128 + 4 / 128)
+
+
+@pytest.mark.filterwarnings("ignore:CoatAdamW skipped")
+def test_deepspeed_fp32_converter_folds_skips_like_fp32_state_dict():
+    from coat_ds.integrations.deepspeed_checkpoint import _fp32_moments
+
+    # A flat ZeRO-1/2 partition (one row), its second group skipped on two steps.
+    flat = torch.nn.Parameter(torch.randn(300))
+    opt = CoatAdamW([flat], lr=LR, betas=(0.8, 0.99), min_quant_numel=1)
+    for i in range(4):
+        flat.grad = torch.randn(300) * 0.1
+        if i < 2:
+            flat.grad[200] = float("nan")
+        opt.step()
+    assert opt.state[flat]["group_skips"].tolist() == [[0, 2, 0]]
+    moments, steps = _fp32_moments(opt.state_dict(), [290])  # the partition's padding cut off
+    want = opt.fp32_state_dict()["state"][0]
+    assert steps == {4.0}
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(moments[name][0], want[name][:290])
+    # Only the skipped group's exported moments differ from the stored ones.
+    raw = R.dequantize_groups(moment(opt.state[flat], "exp_avg_sq"))
+    assert torch.equal(moments["exp_avg_sq"][0][:128], raw[:128])
+    assert not torch.allclose(moments["exp_avg_sq"][0][128:256], raw[128:256])

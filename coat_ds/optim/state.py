@@ -83,7 +83,7 @@ def _fold(moment_fp32: torch.Tensor, factor: torch.Tensor, group_size: int) -> t
     return (moment_fp32.reshape(lay.rows, lay.cols).double() * per_elem).float().reshape(moment_fp32.shape)
 
 
-def to_fp32(state: dict, cfg: OptimStateConfig, betas: tuple[float, float] = (0.9, 0.999)) -> dict:
+def to_fp32(state: dict, cfg: OptimStateConfig, betas: tuple[float, float]) -> dict:
     """torch.optim.AdamW-shaped copy of `state`: step, FP32 exp_avg and exp_avg_sq.
 
     torch's AdamW has one step per tensor. A group that skipped s of the tensor's t steps
