@@ -204,8 +204,8 @@ def adamw_step(
 def _group_bias_corrections(hyper: AdamWHyper, skips, shape, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Per group (float32): lr / (1 - beta1**n) and 1 / sqrt(1 - beta2**n), n = step - skips.
 
-    A group that never skipped takes the host's float64 values, exactly as before skips
-    were counted; the others compute the power in float32 as the kernel does."""
+    A group that never skipped takes the host's float64 values, as the kernel does; the
+    others compute the power in float32, as the kernel does too."""
     step_size = torch.full(shape, hyper.step_size, dtype=torch.float32, device=device)
     inv_bc2_sqrt = torch.full(shape, 1.0 / hyper.bias_correction2_sqrt, dtype=torch.float32, device=device)
     if skips is None:

@@ -301,8 +301,9 @@ class CoatAdamW(torch.optim.Optimizer):
         return groups, state
 
     def fp32_state_dict(self) -> dict:
-        """This optimizer's state in torch.optim.AdamW's layout (FP32 exp_avg/exp_avg_sq);
-        DTensors like the parameter for DTensor parameters."""
+        """This optimizer's state in torch.optim.AdamW's layout (FP32 exp_avg/exp_avg_sq, each
+        group's skipped steps folded into its moments, see `state.to_fp32`); DTensors like
+        the parameter for DTensor parameters."""
         sd = super().state_dict()
         pairs = self._by_saved_id(sd["param_groups"])
         cfg_of = self._config_of()
