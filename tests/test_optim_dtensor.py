@@ -151,3 +151,42 @@ def test_1d_state_saved_on_other_shards_loads(mesh, cuts):
             assert torch.equal(state[f"{name}_codes"][sl], saved[f"{name}_codes"].to_local()[sl]), (name, j)
             assert torch.equal(after[sl], before[sl]), (name, j)
     assert kept == {1: [0, 1, 2], 2: [0], 3: [2]}[len(cuts)]
+
+
+@pytest.mark.filterwarnings("ignore:CoatAdamW skipped")
+def test_group_skips_round_trip_through_dcp(mesh, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    params = _params(mesh)
+    optim = _optim(params)
+    for s in range(3):
+        _grads(params, s)
+        if s < 2:
+            params[0].grad.to_local()[3, 140] = float("nan")  # row 3, group 1 of the 2-D weight
+            params[1].grad.to_local()[290] = float("inf")  # last group of the 1-D bias
+        optim.step()
+    skips = [optim.state[p]["group_skips"].clone() for p in params]
+    assert skips[0][3, 1] == 2 and skips[0].sum() == 2 and skips[1].tolist() == [[0, 0, 2]]
+    sd = optim.state_dict()
+    # 2-D: (rows, groups) sharded with the rows; 1-D: repeated on each element of its group.
+    assert sd["state"][0]["group_skips"].shape == (5, 3) and sd["state"][1]["group_skips"].shape == (300,)
+    dcp.save({"optim": sd}, checkpoint_id=str(tmp_path))
+    params2 = [nn.Parameter(distribute_tensor(p.detach().full_tensor().clone(), mesh, [Shard(0)])) for p in params]
+    optim2 = _optim(params2)
+    for p in params2:  # create the state DCP loads into
+        p.grad = torch.zeros_like(p)
+    optim2.step()
+    target = {"optim": optim2.state_dict()}
+    dcp.load(target, checkpoint_id=str(tmp_path))
+    optim2.load_state_dict(target["optim"])
+    for p, p2, want in zip(params, params2, skips):
+        assert _same(optim2.state[p2]["group_skips"], want)
+        for k, v in optim.state[p].items():
+            assert _same(optim2.state[p2][k], v), k
+    # A 1-D group that mixes saved groups (other shard boundaries) keeps the largest count.
+    mixed = optim.state_dict()
+    per_elem = mixed["state"][1]["group_skips"].to_local().clone()
+    per_elem[:64] = 1
+    mixed["state"][1]["group_skips"] = DTensor.from_local(per_elem, mesh, [Shard(0)])
+    optim2.load_state_dict(mixed)
+    assert optim2.state[params2[1]]["group_skips"].tolist() == [[1, 0, 2]]

@@ -135,7 +135,7 @@ def _fp32_moments(opt_sd: dict, lengths: list[int]) -> tuple[dict[str, list[torc
             steps.add(0.0)
             continue
         cfg = dataclasses.replace(group_state_config(group), backend="torch")  # host tensors, reference codec
-        fp32 = st.to_fp32(state, cfg)
+        fp32 = st.to_fp32(state, cfg, tuple(group["betas"]))  # group skips folded into the moments
         for name in st.MOMENTS:
             flat = fp32[name].reshape(-1)
             if flat.numel() < n:

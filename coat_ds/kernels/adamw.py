@@ -20,7 +20,8 @@ from .quantize import _group_offsets, tile_shape
 
 __all__ = ["adamw_step"]
 
-_TABLE_COLS = 16  # p, g, m codes/center/kcode/sexp, v codes/center/kcode/sexp, cols, n_groups, gpr
+# p, g, m codes/center/kcode/sexp, v codes/center/kcode/sexp, cols, n_groups, gpr, group skips
+_TABLE_COLS = 16
 # Launch shape (groups per program, warps), tuned on an H100 with bench/optim_step.py --sweep.
 STEP_BLOCK_GROUPS = 16
 STEP_WARPS = 4
@@ -39,6 +40,8 @@ def _ptr(row, i, DTYPE_ID: tl.constexpr, ALIGNED: tl.constexpr):
         ptr = addr.to(tl.pointer_type(tl.float16))
     elif DTYPE_ID == 3:
         ptr = addr.to(tl.pointer_type(tl.uint8))
+    elif DTYPE_ID == 5:
+        ptr = addr.to(tl.pointer_type(tl.int32))
     else:
         ptr = addr.to(tl.pointer_type(tl.int8))
     if ALIGNED:
@@ -77,7 +80,7 @@ def _store_moment(row, base: tl.constexpr, new, offs, valid, gi, gmask,
 
 @triton.jit
 def _adamw_kernel(table_ptr, blocks_ptr, skipped_ptr,
-                  beta1, beta2, eps, decay, step_size, inv_bc2_sqrt,
+                  beta1, beta2, eps, decay, step_size, inv_bc2_sqrt, lr, step, log2_beta1, log2_beta2,
                   P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, QUANT: tl.constexpr,
                   FMT_M: tl.constexpr, FMT_V: tl.constexpr, DRE: tl.constexpr,
                   KNUM_M: tl.constexpr, KNUM_V: tl.constexpr,
@@ -105,8 +108,17 @@ def _adamw_kernel(table_ptr, blocks_ptr, skipped_ptr,
     # A group whose gradient or new moments are not finite keeps its old state. A NaN or
     # inf gradient makes v NaN or inf, and so does a finite one whose square overflows.
     ok = tl.min(((v < float("inf")) & (tl.abs(m) < float("inf"))).to(tl.int32), axis=1) > 0
-    denom = tl.sqrt(v) * inv_bc2_sqrt + eps
-    p_new = p * decay - step_size * (m * rcp(denom, ISA))
+    # A group that skipped s steps is bias-corrected at step - s; one that never skipped
+    # takes the host's float64 corrections, as before skips were counted.
+    skips_ptr = _ptr(row, 13, 5, ALIGNED)
+    skips = tl.load(skips_ptr + gi, mask=gmask, other=0)
+    n = step - skips.to(tl.float32)
+    bc1 = 1.0 - tl.exp2(n * log2_beta1)
+    bc2 = 1.0 - tl.exp2(n * log2_beta2)
+    g_step_size = tl.where(skips > 0, lr * rcp(bc1, ISA), step_size)
+    g_inv_bc2_sqrt = tl.where(skips > 0, rcp(tl.sqrt(bc2), ISA), inv_bc2_sqrt)
+    denom = tl.sqrt(v) * g_inv_bc2_sqrt[:, None] + eps
+    p_new = p * decay - g_step_size[:, None] * (m * rcp(denom, ISA))
 
     if P_DTYPE == 1:
         p_new = round_to_bf16(p_new)
@@ -115,7 +127,9 @@ def _adamw_kernel(table_ptr, blocks_ptr, skipped_ptr,
     tl.store(p_ptr + offs, p_new.to(p_ptr.dtype.element_ty), mask=keep)
     _store_moment(row, 2, m, offs, keep, gi, gkeep, QUANT, FMT_M, DRE, KNUM_M, ALIGNED, ISA)
     _store_moment(row, 6, v, offs, keep, gi, gkeep, QUANT, FMT_V, DRE, KNUM_V, ALIGNED, ISA)
-    n_bad = tl.sum((gmask & ~ok).to(tl.int32), axis=0)
+    bad = gmask & ~ok
+    tl.store(skips_ptr + gi, skips + 1, mask=bad)
+    n_bad = tl.sum(bad.to(tl.int32), axis=0)
     if n_bad > 0:
         tl.atomic_add(skipped_ptr, n_bad.to(tl.int64))
 
@@ -141,10 +155,10 @@ class _Plan:
     def bind(self, key: list[tuple[int, ...]]) -> None:
         if key == self.key:
             return
-        rows = [[*addresses, lay.cols, lay.num_groups, lay.groups_per_row, 0, 0, 0]
+        rows = [[*addresses[:10], lay.cols, lay.num_groups, lay.groups_per_row, addresses[10], 0, 0]
                 for addresses, lay in zip(key, self.layouts)]
         # 16-byte vector access needs every row start and every base address aligned.
-        self.aligned = all(r[10] % 16 == 0 and all(a % 16 == 0 for a in r[:10]) for r in rows)
+        self.aligned = all(r[10] % 16 == 0 and all(a % 16 == 0 for a in (*r[:10], r[13])) for r in rows)
         self.table = _to_device(rows, self.device)
         self.key = key
 
@@ -154,8 +168,10 @@ _data_ptr = torch.Tensor.data_ptr
 
 def _addresses(s: AdamWSlot) -> tuple[int, ...]:
     if isinstance(s.exp_avg, QuantizedGroups):
-        return (_data_ptr(s.param), _data_ptr(s.grad), *map(_data_ptr, s.exp_avg), *map(_data_ptr, s.exp_avg_sq))
-    return (_data_ptr(s.param), _data_ptr(s.grad), _data_ptr(s.exp_avg), 0, 0, 0, _data_ptr(s.exp_avg_sq), 0, 0, 0)
+        return (_data_ptr(s.param), _data_ptr(s.grad), *map(_data_ptr, s.exp_avg), *map(_data_ptr, s.exp_avg_sq),
+                _data_ptr(s.skips))
+    return (_data_ptr(s.param), _data_ptr(s.grad), _data_ptr(s.exp_avg), 0, 0, 0, _data_ptr(s.exp_avg_sq), 0, 0, 0,
+            _data_ptr(s.skips))
 
 
 def _key(slots: list[AdamWSlot]) -> list[tuple[int, ...]]:
@@ -183,6 +199,10 @@ def adamw_step(slots: list[AdamWSlot], hyper: AdamWHyper, *, group_size: int = 1
     if not slots:
         return
     device = slots[0].param.device
+    # Without a counter per group (tests, benchmarks) no group has skipped before, and a
+    # skip is only counted in `skipped`.
+    slots = [s if s.skips is not None else s._replace(skips=torch.zeros(
+        group_layout(s.param.shape, group_size).meta_shape, dtype=torch.int32, device=device)) for s in slots]
     for s in slots:
         if not (s.param.is_contiguous() and s.grad.is_contiguous()):
             raise ValueError("CoatAdamW's Triton step needs contiguous parameters and gradients")
@@ -206,9 +226,10 @@ def adamw_step(slots: list[AdamWSlot], hyper: AdamWHyper, *, group_size: int = 1
     _adamw_kernel[(plan.grid,)](
         plan.table, plan.blocks, skipped,
         hyper.beta1, hyper.beta2, hyper.eps, 1.0 - hyper.lr * hyper.weight_decay, hyper.step_size,
-        1.0 / hyper.bias_correction2_sqrt,
+        1.0 / hyper.bias_correction2_sqrt, hyper.lr, hyper.step, *hyper.log2_betas(),
         P_DTYPE=_DTYPE_IDS[slots[0].param.dtype], G_DTYPE=_DTYPE_IDS[slots[0].grad.dtype], QUANT=quant,
         FMT_M=fm.id, FMT_V=fv.id, DRE=dre, KNUM_M=K_ONE * fm.dre_log2_range,
-        KNUM_V=K_ONE * fv.dre_log2_range, G=group_size, BG=plan.bg, TABLE_COLS=_TABLE_COLS, ALIGNED=plan.aligned,
+        KNUM_V=K_ONE * fv.dre_log2_range, G=group_size, BG=plan.bg, TABLE_COLS=_TABLE_COLS,
+        ALIGNED=plan.aligned,
         ISA=kernel_isa(device),
         num_warps=STEP_WARPS)

@@ -67,7 +67,8 @@ def chunk_slots(slot: AdamWSlot, group_size: int, chunk_elems: int) -> list[Adam
 
     def add(r: slice, c: slice, gs: slice):
         out.append(AdamWSlot(p[r, c], g[r, c], _moment_part(slot.exp_avg, rows, cols, r, c, gs),
-                             _moment_part(slot.exp_avg_sq, rows, cols, r, c, gs)))
+                             _moment_part(slot.exp_avg_sq, rows, cols, r, c, gs),
+                             None if slot.skips is None else slot.skips[r, gs]))
 
     if cols >= chunk_elems:
         groups = max(1, chunk_elems // group_size)

@@ -8,6 +8,7 @@ partition) is one row.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -58,12 +59,17 @@ class QuantizedGroups(NamedTuple):
 
 
 class AdamWSlot(NamedTuple):
-    """One tensor's share of an AdamW step; m and v are FP32 tensors or QuantizedGroups."""
+    """One tensor's share of an AdamW step; m and v are FP32 tensors or QuantizedGroups.
+
+    `skips` (int32, (rows, groups_per_row)) counts the steps each group has skipped for
+    non-finite values, so its bias correction uses step - skips; None: no group has skipped
+    one and this step's skips are not recorded per group."""
 
     param: torch.Tensor
     grad: torch.Tensor
     exp_avg: "QuantizedGroups | torch.Tensor"
     exp_avg_sq: "QuantizedGroups | torch.Tensor"
+    skips: "torch.Tensor | None" = None
 
 
 class AdamWHyper(NamedTuple):
@@ -76,9 +82,15 @@ class AdamWHyper(NamedTuple):
     weight_decay: float
     step_size: float  # lr / (1 - beta1 ** step)
     bias_correction2_sqrt: float  # sqrt(1 - beta2 ** step)
+    step: float  # the tensor's step count, this step included
 
     @classmethod
     def at_step(cls, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float):
         bc1 = 1.0 - beta1**step
         bc2 = 1.0 - beta2**step
-        return cls(lr, beta1, beta2, eps, weight_decay, lr / bc1, bc2**0.5)
+        return cls(lr, beta1, beta2, eps, weight_decay, lr / bc1, bc2**0.5, float(step))
+
+    def log2_betas(self) -> tuple[float, float]:
+        """log2(beta1), log2(beta2) (-inf for 0): the kernels raise beta to a group's own
+        step count as exp2(n * log2(beta))."""
+        return tuple(math.log2(b) if b > 0 else float("-inf") for b in (self.beta1, self.beta2))

@@ -173,7 +173,9 @@ def adamw_step(
     """One AdamW step over `slots`, states updated in place.
 
     A group (G consecutive elements of a row) whose gradient or new moments are not finite
-    is left untouched (parameter and both moments); their count is added to `skipped`.
+    is left untouched (parameter and both moments); their count is added to `skipped` and
+    to the group's entry of `slot.skips`. A group that skipped s steps before is
+    bias-corrected at step - s, as if those steps had not happened for it.
     `plan_cache` is accepted for signature parity with the Triton launcher and unused."""
     fm, fv = get_format(fmt_m), get_format(fmt_v)
     for slot in slots:
@@ -186,14 +188,36 @@ def adamw_step(
         m = hyper.beta1 * m + (1 - hyper.beta1) * g
         v = hyper.beta2 * v + (1 - hyper.beta2) * (g * g)
         ok = torch.isfinite(g).all(-1) & torch.isfinite(m).all(-1) & torch.isfinite(v).all(-1)
-        denom = torch.sqrt(v) / hyper.bias_correction2_sqrt + hyper.eps
-        p_new = p * (1 - hyper.lr * hyper.weight_decay) - hyper.step_size * (m / denom)
+        step_size, inv_bc2_sqrt = _group_bias_corrections(hyper, slot.skips, ok.shape, p.device)
+        denom = torch.sqrt(v) * inv_bc2_sqrt[..., None] + hyper.eps
+        p_new = p * (1 - hyper.lr * hyper.weight_decay) - step_size[..., None] * (m / denom)
         p_new = torch.where(ok[..., None], p_new, p)
         slot.param.copy_(_ungrouped(p_new, slot.param.shape))
         _moment_out(slot.exp_avg, m, ok, group_size, fm, dre)
         _moment_out(slot.exp_avg_sq, v, ok, group_size, fv, dre)
+        if slot.skips is not None:
+            slot.skips.copy_(torch.where(ok, slot.skips, slot.skips + 1))
         if skipped is not None:
             skipped += (~ok).sum().to(skipped.dtype)
+
+
+def _group_bias_corrections(hyper: AdamWHyper, skips, shape, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group (float32): lr / (1 - beta1**n) and 1 / sqrt(1 - beta2**n), n = step - skips.
+
+    A group that never skipped takes the host's float64 values, as the kernel does; the
+    others compute the power in float32, as the kernel does too."""
+    step_size = torch.full(shape, hyper.step_size, dtype=torch.float32, device=device)
+    inv_bc2_sqrt = torch.full(shape, 1.0 / hyper.bias_correction2_sqrt, dtype=torch.float32, device=device)
+    if skips is None:
+        return step_size, inv_bc2_sqrt
+    lb1, lb2 = (torch.tensor(b, dtype=torch.float32) for b in hyper.log2_betas())
+    n = torch.tensor(hyper.step, dtype=torch.float32) - skips.to(torch.float32)
+    bc1 = 1.0 - torch.exp2(n * lb1)
+    bc2 = 1.0 - torch.exp2(n * lb2)
+    skipped_before = skips > 0
+    step_size = torch.where(skipped_before, _div(hyper.lr, bc1), step_size)
+    inv_bc2_sqrt = torch.where(skipped_before, torch.rsqrt(bc2), inv_bc2_sqrt)
+    return step_size, inv_bc2_sqrt
 
 
 # ---- Activation quantization: twins of kernels/act_quant.py -------------------------------

@@ -53,7 +53,7 @@ def _check_param(p: torch.Tensor, group: int, index: int) -> None:
 
 
 class CoatAdamW(torch.optim.Optimizer):
-    """AdamW whose moments are stored in FP8 with per-group DRE (about 2.09 bytes/param).
+    """AdamW whose moments are stored in FP8 with per-group DRE (about 2.13 bytes/param).
 
     A drop-in for `torch.optim.AdamW` (decoupled weight decay, bias correction) on float32
     parameters (a BF16/FP16 parameter is refused at the first step). Every option below may
@@ -164,11 +164,12 @@ class CoatAdamW(torch.optim.Optimizer):
         torch._foreach_add_(steps, 1)
         step_values = torch.stack(steps).tolist()
         buckets: dict[tuple, list[AdamWSlot]] = defaultdict(list)
-        for p, (local, m, v, quant), step in zip(params, entries, step_values):
+        for p, (local, m, v, quant, skips), step in zip(params, entries, step_values):
             grad = _local(p.grad)
             if not grad.is_contiguous():
                 grad = grad.contiguous()
-            buckets[(quant, int(step), local.device, local.dtype, grad.dtype)].append(AdamWSlot(local, grad, m, v))
+            buckets[(quant, int(step), local.device, local.dtype, grad.dtype)].append(
+                AdamWSlot(local, grad, m, v, skips))
         for (quant, step, device, *_), slots in buckets.items():
             hyper = AdamWHyper.at_step(step, hp.lr, *hp.betas, hp.eps, hp.weight_decay)
             get_ops(device, cfg.backend).adamw_step(
@@ -177,20 +178,23 @@ class CoatAdamW(torch.optim.Optimizer):
                 skipped=self._skips.counter(device), plan_cache=self._plan_cache)
 
     def _entry(self, p: torch.Tensor, cfg: OptimStateConfig) -> tuple:
-        """(local tensor, exp_avg, exp_avg_sq, quantized?) of `p`, creating its state on first
-        use. Cached while the local shard and every state tensor stay the same objects."""
+        """(local tensor, exp_avg, exp_avg_sq, quantized?, group skips) of `p`, creating its
+        state on first use. Cached while the local shard and every state tensor stay the
+        same objects."""
         local = _local(p)
         state = self.state[p]
         cached = self._entries.get(p)
-        if cached is not None and cached[0] is local and cached[4] == tuple(map(id, state.values())):
-            return cached[:4]
+        if cached is not None and cached[0] is local and cached[5] == tuple(map(id, state.values())):
+            return cached[:5]
         if not state:
             state.update(st.init_state(local, sharded.global_numel(p) >= cfg.min_quant_numel, cfg))
+        if st.SKIPS_KEY not in state:  # state set by hand or by an older version
+            state[st.SKIPS_KEY] = st.zero_skips(local, cfg.group_size)
         quant = st.is_quantized(state)
-        entry = (local, st.moment(state, "exp_avg"), st.moment(state, "exp_avg_sq"), quant,
+        entry = (local, st.moment(state, "exp_avg"), st.moment(state, "exp_avg_sq"), quant, state[st.SKIPS_KEY],
                  tuple(map(id, state.values())))
         self._entries[p] = entry
-        return entry[:4]
+        return entry[:5]
 
     def nonfinite_groups(self) -> int:
         """Groups skipped so far for non-finite gradients or moments (reads the device)."""
@@ -278,7 +282,7 @@ class CoatAdamW(torch.optim.Optimizer):
             if not isinstance(entry, dict):
                 raise ValueError(f"state dict entry for parameter {pid}: expected a dict, got {type(entry).__name__}")
             if is_fp32_layout(entry):
-                entry = sharded.local_fp32_state(entry)
+                entry = sharded.local_fp32_state(entry, p, cfg)
             elif fp32_only:
                 raise ValueError(f"state dict entry for parameter {pid} holds FP8 state: use load_state_dict")
             elif isinstance(p, DTensor):
@@ -292,15 +296,20 @@ class CoatAdamW(torch.optim.Optimizer):
             else:
                 state[p] = {k: (torch.as_tensor(v, dtype=torch.float32).detach().clone().cpu() if k == "step"
                                 else v.detach().to(local.device, copy=True)) for k, v in entry.items()}
+                # A state dict saved before groups counted their skips: none skipped.
+                state[p].setdefault(st.SKIPS_KEY, st.zero_skips(local, cfg.group_size))
         return groups, state
 
     def fp32_state_dict(self) -> dict:
-        """This optimizer's state in torch.optim.AdamW's layout (FP32 exp_avg/exp_avg_sq);
-        DTensors like the parameter for DTensor parameters."""
+        """This optimizer's state in torch.optim.AdamW's layout (FP32 exp_avg/exp_avg_sq, each
+        group's skipped steps folded into its moments, see `state.to_fp32`); DTensors like
+        the parameter for DTensor parameters."""
         sd = super().state_dict()
         pairs = self._by_saved_id(sd["param_groups"])
         cfg_of = self._config_of()
-        sd["state"] = {pid: st.to_fp32(self.state[p], cfg_of[id(p)]) for pid, p in pairs if self.state.get(p)}
+        betas_of = {id(p): tuple(g["betas"]) for g in self.param_groups for p in g["params"]}
+        sd["state"] = {pid: st.to_fp32(self.state[p], cfg_of[id(p)], betas_of[id(p)])
+                       for pid, p in pairs if self.state.get(p)}
         for pid, p in pairs:
             if isinstance(p, DTensor) and pid in sd["state"]:
                 sd["state"][pid] = {k: sharded.wrap_like(v, p) if k in st.MOMENTS else v

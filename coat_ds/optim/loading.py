@@ -5,8 +5,9 @@ A state dict may come from CoatAdamW (any version) or from `torch.optim.AdamW`: 
 lacks are taken from the optimizer's current group, torch-only options that would change the
 update (`amsgrad`, `maximize`) are refused, and a state tensor that the step would misread
 (wrong dtype or shape, FP8 codes that are NaN/inf in the group's format, a centre that is not
-positive and finite, an exponent outside its range, non-finite moments) is refused with an
-error naming the parameter and the key.
+positive and finite, an exponent outside its range, non-finite moments, a group skip count
+outside [0, step]) is refused with an error naming the parameter and the key. `group_skips`
+is optional (older CoatAdamW state dicts and torch's lack it: no group skipped).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 from ..config import OptimStateConfig
 from ..kernels import QuantizedGroups, get_format, group_layout
 from ..kernels.fp8 import K_MAX_CODE
-from .state import MOMENTS
+from .state import MOMENTS, SKIPS_KEY
 
 __all__ = ["merge_groups", "check_state", "is_fp32_layout", "QUANT_KEYS"]
 
@@ -86,9 +87,15 @@ def check_state(pid, state, local: torch.Tensor, cfg: OptimStateConfig) -> None:
     expected = {"step", *(MOMENTS if fp32 else QUANT_KEYS)}
     for key in sorted(expected - state.keys()):
         _fail(pid, key, "missing")
-    for key in sorted(set(state) - expected, key=str):
+    for key in sorted(set(state) - expected - {SKIPS_KEY}, key=str):
         _fail(pid, key, "unexpected key" + (" (mixes the FP32 and FP8 layouts)" if key in MOMENTS else ""))
     _check_step(pid, state["step"])
+    lay = group_layout(local.shape, cfg.group_size)
+    if SKIPS_KEY in state:
+        skips = _check_tensor(pid, SKIPS_KEY, state[SKIPS_KEY], torch.int32, lay.meta_shape)
+        step = float(state["step"])
+        if bool(((skips < 0) | (skips.to(torch.float64) > step)).any()):
+            _fail(pid, SKIPS_KEY, f"holds counts outside [0, step = {step:g}]")
     if fp32:
         for name in MOMENTS:
             t = _check_tensor(pid, name, state[name], None, local.shape)
@@ -99,7 +106,6 @@ def check_state(pid, state, local: torch.Tensor, cfg: OptimStateConfig) -> None:
         if bool((state["exp_avg_sq"] < 0).any()):
             _fail(pid, "exp_avg_sq", "holds negative values")
         return
-    lay = group_layout(local.shape, cfg.group_size)
     formats = {"exp_avg": cfg.first_moment_format, "exp_avg_sq": cfg.second_moment_format}
     for name, fmt in formats.items():
         codes = _check_tensor(pid, f"{name}_codes", state[f"{name}_codes"], torch.uint8, local.shape)

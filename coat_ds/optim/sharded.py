@@ -17,6 +17,9 @@ mesh, and `load_state_dict()` unwraps them. Two layouts of the per-group metadat
   same sharding finds every group uniform and restores it bit-exactly; a group that now
   mixes elements of two saved groups (different number of ranks) is decoded element by
   element and quantized again, an error of one FP8 rounding on that group only.
+
+`group_skips` (steps each group skipped) is metadata like the others; a group that mixes
+saved groups takes the largest of their counts.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..config import OptimStateConfig
 from ..kernels import QuantizedGroups, get_ops, group_layout
-from .state import MOMENTS
+from .state import MOMENTS, SKIPS_KEY
 
 __all__ = ["global_numel", "mark_global_numel", "to_dtensor_state", "from_dtensor_state", "local_fp32_state",
            "wrap_like"]
@@ -93,7 +96,7 @@ def to_dtensor_state(state: dict, p: DTensor, cfg: OptimStateConfig) -> dict:
         part = key.rsplit("_", 1)[-1]
         if key == "step" or not torch.is_tensor(value):
             out[key] = value
-        elif part not in _META:  # FP8 codes or FP32 moments: shaped like the parameter
+        elif part not in _META and key != SKIPS_KEY:  # FP8 codes or FP32 moments: shaped like the parameter
             out[key] = wrap_like(value, p)
         elif layout == "replicated":
             out[key] = wrap_like(value, p, value.shape)
@@ -161,9 +164,30 @@ def from_dtensor_state(saved: dict, p: DTensor, cfg: OptimStateConfig) -> dict:
         else:
             meta = {k: v.reshape(lay.meta_shape) for k, v in meta.items()}
         state.update({f"{name}_{k}": v for k, v in meta.items()})
+    if SKIPS_KEY in state:
+        state[SKIPS_KEY] = _local_skips(state[SKIPS_KEY], local, layout, cfg.group_size)
     return state
 
 
-def local_fp32_state(state: dict) -> dict:
-    """An FP32 (torch.optim.AdamW-layout) state's moments as this rank's local tensors."""
-    return {k: _local(v) if k in MOMENTS else v for k, v in state.items()}
+def _local_skips(skips: torch.Tensor, local: torch.Tensor, layout: str, group_size: int) -> torch.Tensor:
+    """This rank's (rows, groups_per_row) skip counts from their saved layout."""
+    lay = group_layout(local.shape, group_size)
+    skips = _local(skips)
+    if layout != "per_element":
+        return skips.reshape(lay.meta_shape)
+    if skips.shape != local.shape:
+        raise ValueError(f"{SKIPS_KEY} has local shape {tuple(skips.shape)}, parameter has {tuple(local.shape)}")
+    flat = skips.reshape(lay.rows, lay.cols)
+    pad = lay.groups_per_row * group_size - lay.cols
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(lay.rows, pad)], dim=1)
+    return flat.reshape(lay.rows, lay.groups_per_row, group_size).amax(-1)
+
+
+def local_fp32_state(state: dict, p: torch.Tensor | None = None, cfg: OptimStateConfig | None = None) -> dict:
+    """An FP32 (torch.optim.AdamW-layout) state's moments (and `group_skips`, given the
+    DTensor parameter `p` and its config) as this rank's local tensors."""
+    out = {k: _local(v) if k in MOMENTS else v for k, v in state.items()}
+    if SKIPS_KEY in out and isinstance(p, DTensor):
+        out[SKIPS_KEY] = _local_skips(out[SKIPS_KEY], p._local_tensor, _meta_layout(p), cfg.group_size)
+    return out

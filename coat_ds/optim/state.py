@@ -5,6 +5,8 @@ A parameter whose whole tensor has at least `min_quant_numel` elements keeps, pe
 (float32), `<moment>_kcode` (uint8, DRE exponent * 16) and `<moment>_sexp` (int8, power-of-two
 scale exponent), groups laid out (rows, groups_per_row). Smaller parameters keep FP32
 `exp_avg` / `exp_avg_sq` exactly like torch.optim.AdamW. `step` is a CPU float32 scalar.
+Every parameter also keeps `group_skips` (int32, (rows, groups_per_row)): the steps each
+group skipped for non-finite values, so that its bias correction uses step - group_skips.
 """
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ import torch
 from ..config import OptimStateConfig
 from ..kernels import QuantizedGroups, get_ops, group_layout
 
-__all__ = ["MOMENTS", "is_quantized", "init_state", "moment", "state_bytes", "to_fp32", "from_fp32"]
+__all__ = ["MOMENTS", "SKIPS_KEY", "is_quantized", "init_state", "zero_skips", "moment", "state_bytes", "to_fp32",
+           "from_fp32"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+SKIPS_KEY = "group_skips"
 _PARTS = QuantizedGroups._fields
 
 
@@ -34,8 +38,12 @@ def _zero_moment(local: torch.Tensor, group_size: int) -> QuantizedGroups:
     )
 
 
+def zero_skips(local: torch.Tensor, group_size: int) -> torch.Tensor:
+    return torch.zeros(group_layout(local.shape, group_size).meta_shape, dtype=torch.int32, device=local.device)
+
+
 def init_state(local: torch.Tensor, quantize: bool, cfg: OptimStateConfig) -> dict:
-    state: dict = {"step": torch.zeros((), dtype=torch.float32)}
+    state: dict = {"step": torch.zeros((), dtype=torch.float32), SKIPS_KEY: zero_skips(local, cfg.group_size)}
     for name in MOMENTS:
         if quantize:
             qg = _zero_moment(local, cfg.group_size)
@@ -60,22 +68,51 @@ def _formats(cfg: OptimStateConfig) -> dict[str, str]:
     return {"exp_avg": cfg.first_moment_format, "exp_avg_sq": cfg.second_moment_format}
 
 
-def to_fp32(state: dict, cfg: OptimStateConfig) -> dict:
-    """torch.optim.AdamW-shaped copy of `state`: step, FP32 exp_avg and exp_avg_sq."""
+def _fold_factor(step: float, skips: torch.Tensor, beta: float) -> torch.Tensor:
+    """Per group (float64): (1 - beta**step) / (1 - beta**(step - skips)), 1 where nothing
+    was skipped (or the group never updated, its moment is then zero)."""
+    n = step - skips.to(torch.float64)
+    own = 1.0 - torch.pow(torch.tensor(beta, dtype=torch.float64), n)
+    factor = (1.0 - beta**step) / torch.where(n > 0, own, 1.0)
+    return torch.where((skips > 0) & (n > 0), factor, 1.0)
+
+
+def _fold(moment_fp32: torch.Tensor, factor: torch.Tensor, group_size: int) -> torch.Tensor:
+    lay = group_layout(moment_fp32.shape, group_size)
+    per_elem = factor.to(moment_fp32.device).repeat_interleave(group_size, dim=1)[:, :lay.cols]
+    return (moment_fp32.reshape(lay.rows, lay.cols).double() * per_elem).float().reshape(moment_fp32.shape)
+
+
+def to_fp32(state: dict, cfg: OptimStateConfig, betas: tuple[float, float]) -> dict:
+    """torch.optim.AdamW-shaped copy of `state`: step, FP32 exp_avg and exp_avg_sq.
+
+    torch's AdamW has one step per tensor. A group that skipped s of the tensor's t steps
+    has its moments scaled by (1 - beta**t) / (1 - beta**(t - s)) (beta1 for exp_avg,
+    beta2 for exp_avg_sq, `betas` of its param group), so that torch's bias correction at
+    step t gives the group's own bias-corrected moments, element by element."""
     out = {"step": state["step"].clone()}
-    for name, fmt in _formats(cfg).items():
+    skips = state.get(SKIPS_KEY)
+    step = float(state["step"])
+    for (name, fmt), beta in zip(_formats(cfg).items(), betas):
         mom = moment(state, name)
         if isinstance(mom, QuantizedGroups):
             ops = get_ops(mom.codes.device, cfg.backend)
             out[name] = ops.dequantize_groups(mom, cfg.group_size, fmt)
         else:
             out[name] = mom.detach().to(torch.float32, copy=True)
+        if skips is not None and bool((skips > 0).any()):
+            out[name] = _fold(out[name], _fold_factor(step, skips.cpu(), beta), cfg.group_size)
     return out
 
 
 def from_fp32(fp32_state: dict, local: torch.Tensor, quantize: bool, cfg: OptimStateConfig) -> dict:
-    """Inverse of `to_fp32` for a parameter whose local tensor is `local`."""
-    state = {"step": torch.as_tensor(fp32_state["step"], dtype=torch.float32).detach().clone().cpu()}
+    """Inverse of `to_fp32` for a parameter whose local tensor is `local`. Its moments are
+    taken as torch's (skips folded in): every group starts with no skipped step, unless the
+    state carries `group_skips` (CoatAdamW's own FP32 layout for small parameters)."""
+    skips = fp32_state.get(SKIPS_KEY)
+    state = {"step": torch.as_tensor(fp32_state["step"], dtype=torch.float32).detach().clone().cpu(),
+             SKIPS_KEY: zero_skips(local, cfg.group_size) if skips is None
+             else skips.detach().to(local.device, copy=True)}
     for name, fmt in _formats(cfg).items():
         src = fp32_state[name].detach().to(device=local.device, dtype=torch.float32)
         if src.shape != local.shape:
