@@ -116,12 +116,13 @@ def _run_native(lib, jobs: list, hyper: AdamWHyper, fm, fv, group_size: int, dre
 
 def adamw_step(slots: list[AdamWSlot], hyper: AdamWHyper, *, group_size: int = 128, fmt_m="e4m3",
                fmt_v="e4m3", dre: bool = True, skipped: torch.Tensor | None = None,
-               plan_cache: dict | None = None, chunk_elems: int | None = None) -> None:
+               plan_cache: dict | None = None, chunk_elems: int | None = None, fused: bool = True) -> None:
     """`reference.adamw_step` on host tensors (same signature): the fused kernel where it
     built and takes the slot, else the reference chunk by chunk for contiguous tensors and
-    whole for the others. `chunk_elems` defaults to `HOST_CHUNK_ELEMS`."""
+    whole for the others. `chunk_elems` defaults to `HOST_CHUNK_ELEMS`; `fused=False` runs
+    the fallback (benchmarks)."""
     chunk_elems = chunk_elems or HOST_CHUNK_ELEMS
-    lib = host_native.library()
+    lib = host_native.library() if fused else None
     if lib is not None:
         fm, fv = get_format(fmt_m), get_format(fmt_v)
         jobs, slots = _native_jobs(slots, fm, fv, group_size, chunk_elems)

@@ -1,14 +1,16 @@
 // The host AdamW step with FP8 (DRE) or FP32 moments, fused per quantization group: the
-// CPU twin of kernels/adamw.py, computing what reference.adamw_step computes in the same
-// float32 operations and order. log2/exp2 go through ATen's Vectorized<float> (SLEEF, as
-// torch.log2/torch.exp2 do on this CPU), so codes match the reference bit for bit except
-// where torch itself takes a scalar libm path (loop tails). Built with -ffp-contract=off:
-// a fused multiply-add would round differently from the reference's separate ops.
+// CPU counterpart of kernels/adamw.py, computing what reference.adamw_step (the oracle)
+// computes, in the same float32 operations and order. log2/exp2 go through ATen's
+// Vectorized<float> (SLEEF, as torch.log2/torch.exp2 do) and sqrt through MKL where torch
+// uses it, so results match the reference bit for bit except where torch itself takes a
+// scalar libm exp2 (loop tails). Built with -ffp-contract=off: a fused multiply-add would
+// round differently from the reference's separate ops.
 //
-// Plain C ABI (called through ctypes, which releases the GIL): Python passes raw pointers
-// of contiguous tensors and a range of groups; each call touches only its groups, so
-// threads given disjoint ranges never share a cache line of state they write... except
-// codes at group edges, which are whole bytes of distinct groups.
+// Plain C ABI, called through ctypes (which releases the GIL): Python passes raw pointers
+// of contiguous tensors and a range of groups; each call writes only its own groups, so
+// threads given disjoint ranges never write the same bytes. Scalars every group shares come
+// in `hyper`; a per-group input (say, bias corrections for groups that skipped steps) is one
+// more pointer read at `gi`, next to the centre and exponents.
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
