@@ -89,8 +89,11 @@ def _moment(mom, shape) -> tuple | None:
 
 def slot_args(slot: AdamWSlot, fmt_m: Fp8Format, fmt_v: Fp8Format, cols: int) -> tuple | None:
     """The per-slot head of the kernel's arguments, or None for a slot it does not take
-    (another dtype or device, non-contiguous tensors): that slot goes to the reference."""
+    (another dtype or device, non-contiguous tensors, per-group skip counts): that slot goes
+    to the reference."""
     p, g = slot.param, slot.grad
+    if getattr(slot, "skips", None) is not None:
+        return None  # per-group skipped-step counts (bias corrections per group): the reference's
     if p.dtype not in _PDTYPES or g.dtype not in _PDTYPES or g.shape != p.shape:
         return None
     if not all(t.device.type == "cpu" and t.is_contiguous() for t in (p, g)):
