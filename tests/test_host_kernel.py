@@ -79,7 +79,7 @@ def test_kernel_matches_reference(shape, quant, pdt, gdt, fm, fv, dre):
     assert sa.item() == sb.item() == 2  # the NaN and the inf group, skipped and counted
     update = (a.param.float() - p0).abs().max()
     assert (a.param.float() - b.param.float()).abs().max() <= 0.01 * update
-    assert _same(a.param, b.param) >= 0.99
+    assert _same(a.param, b.param) >= (1.0 if not quant else 0.99)  # FP32 moments: bitwise
     for ma, mb, f in ((a.exp_avg, b.exp_avg, fm), (a.exp_avg_sq, b.exp_avg_sq, fv)):
         if not quant:
             assert torch.equal(ma, mb)
