@@ -8,7 +8,8 @@ Stated tolerance (docs/deepspeed.md): >= 99.9 % identical codes (99 % of the per
 exponents, 97 % of the centres within 2**-20 relative: a code that moved can change a
 group's smallest element), dequantized
 moments >= 40 dB SQNR against the reference's, parameters within 1 % of the step's update.
-The library is built once per process (and cached on disk by torch).
+These identity fractions hold where torch runs AVX2/AVX-512 kernels (x86); elsewhere the
+numeric bounds do. The library is built once per process (and cached on disk by torch).
 """
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ from coat_ds.kernels import AdamWHyper, AdamWSlot, QuantizedGroups, host, host_n
 from coat_ds.kernels import reference as R
 
 needs_kernel = pytest.mark.skipif(host_native.library() is None, reason="the host kernel did not build here")
+# Where torch runs its SIMD kernels (x86 AVX2/AVX-512) the kernel uses the same vector
+# functions; elsewhere (plain C++ build) only the numeric bounds are promised.
+SAME_MATH = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
 def _slot(shape, seed, quant, pdt, gdt, fm, fv):
@@ -79,15 +83,17 @@ def test_kernel_matches_reference(shape, quant, pdt, gdt, fm, fv, dre):
     assert sa.item() == sb.item() == 2  # the NaN and the inf group, skipped and counted
     update = (a.param.float() - p0).abs().max()
     assert (a.param.float() - b.param.float()).abs().max() <= 0.01 * update
-    assert _same(a.param, b.param) >= (1.0 if not quant else 0.99)  # FP32 moments: bitwise
+    if SAME_MATH:
+        assert _same(a.param, b.param) >= (1.0 if not quant else 0.99)  # FP32 moments: bitwise
     for ma, mb, f in ((a.exp_avg, b.exp_avg, fm), (a.exp_avg_sq, b.exp_avg_sq, fv)):
         if not quant:
-            assert torch.equal(ma, mb)
+            assert torch.equal(ma, mb) if SAME_MATH else _sqnr_db(ma, mb) >= 100
             continue
-        assert _same(ma.codes, mb.codes) >= 0.999
-        assert _same(ma.kcode, mb.kcode) >= 0.99 and _same(ma.sexp, mb.sexp) >= 0.99  # per group: fewer
-        # A group whose smallest element moved by one code takes another centre.
-        assert ((ma.center - mb.center).abs() <= 2**-20 * ma.center.abs()).float().mean() >= 0.97
+        if SAME_MATH:
+            assert _same(ma.codes, mb.codes) >= 0.999
+            assert _same(ma.kcode, mb.kcode) >= 0.99 and _same(ma.sexp, mb.sexp) >= 0.99  # per group: fewer
+            # A group whose smallest element moved by one code takes another centre.
+            assert ((ma.center - mb.center).abs() <= 2**-20 * ma.center.abs()).float().mean() >= 0.97
         da, db = R.dequantize_groups(ma, fmt=f), R.dequantize_groups(mb, fmt=f)
         assert torch.isfinite(db).all() and _sqnr_db(da, db) >= 40
         assert torch.count_nonzero(db.view(-1)[: 128 * 3]) == 0  # zero groups stay zero

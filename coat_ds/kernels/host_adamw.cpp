@@ -237,7 +237,9 @@ inline void store(uint16_t* p, int64_t i, float x) {
 inline bool all_finite(const float* x, int64_t n) {
   Vec acc(0.0f);
   const Vec zero(0.0f);
-  for (int64_t i = 0; i < n; i += Vec::size()) acc = acc + Vec::loadu(x + i, std::min<int64_t>(Vec::size(), n - i)) * zero;
+  for (int64_t i = 0; i < n; i += Vec::size()) {
+    acc = acc + Vec::loadu(x + i, std::min<int64_t>(Vec::size(), n - i)) * zero;
+  }
   float lanes[Vec::size()];
   acc.store(lanes);
   float sum = 0.0f;
