@@ -24,6 +24,10 @@
 // correctly rounded, so std::sqrt differs in the last bit). libtorch_cpu exports it; weak,
 // so that without MKL the symbol is null and the exact sqrt runs, as torch's would.
 extern "C" void vmsSqrt(int n, const float* a, float* r, long long mode) __attribute__((weak));
+// Each host thread runs its own groups: MKL must not open an OpenMP team per call (two
+// threads doing so spun in libgomp and took 5x longer than one thread). The C entry point
+// (mkl_service.h maps mkl_set_num_threads_local to it; that name is the Fortran one).
+extern "C" int MKL_Set_Num_Threads_Local(int n) __attribute__((weak));
 
 namespace {
 
@@ -314,12 +318,17 @@ int64_t coat_host_adamw_step(void* param, int p_bf16, const void* grad, int g_bf
   s.k_max = static_cast<int>(kcodes[2]);
   Moment mm{m, m_center, m_kcode, m_sexp, m_fmt, static_cast<float>(fmt_dre[0])};
   Moment mv{v, v_center, v_kcode, v_sexp, v_fmt, static_cast<float>(fmt_dre[1])};
+  int mkl_threads = MKL_Set_Num_Threads_Local != nullptr ? MKL_Set_Num_Threads_Local(1) : 0;
+  int64_t skipped;
   if (p_bf16) {
-    if (g_bf16) return run(static_cast<uint16_t*>(param), static_cast<const uint16_t*>(grad), mm, mv, s, g0, g1);
-    return run(static_cast<uint16_t*>(param), static_cast<const float*>(grad), mm, mv, s, g0, g1);
+    skipped = g_bf16 ? run(static_cast<uint16_t*>(param), static_cast<const uint16_t*>(grad), mm, mv, s, g0, g1)
+                     : run(static_cast<uint16_t*>(param), static_cast<const float*>(grad), mm, mv, s, g0, g1);
+  } else {
+    skipped = g_bf16 ? run(static_cast<float*>(param), static_cast<const uint16_t*>(grad), mm, mv, s, g0, g1)
+                     : run(static_cast<float*>(param), static_cast<const float*>(grad), mm, mv, s, g0, g1);
   }
-  if (g_bf16) return run(static_cast<float*>(param), static_cast<const uint16_t*>(grad), mm, mv, s, g0, g1);
-  return run(static_cast<float*>(param), static_cast<const float*>(grad), mm, mv, s, g0, g1);
+  if (MKL_Set_Num_Threads_Local != nullptr) MKL_Set_Num_Threads_Local(mkl_threads);  // 0: the global setting again
+  return skipped;
 }
 
 }  // extern "C"
