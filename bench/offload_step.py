@@ -1,12 +1,14 @@
 """ZeRO-Offload's host step: CoatAdamW on a CPU partition against torch's AdamW, side by side.
 
-    python bench/offload_step.py [--numel 8388608] [--iters 7] [--whole] [--no-ds] [--out r.json]
+    python bench/offload_step.py [--numel 8388608] [--iters 7] [--fallback] [--whole] [--no-ds] [--out r.json]
 
 One flat FP32 partition with an FP32 gradient, what DeepSpeed hands the optimizer under
 `offload_optimizer: cpu`. Cases, timed in turns (one step of each per round, so that load
 from other processes falls on all of them alike), median and min wall time per step:
 - torch AdamW(foreach=True), the baseline every ratio is taken against;
-- CoatAdamW's host step (kernels/host.py: the reference step over group-aligned chunks);
+- CoatAdamW's host step (kernels/host.py: the fused C++ kernel, built on first use);
+- with --fallback, the host step's fallback where the kernel does not build (the reference
+  step over group-aligned chunks on the threads);
 - with --whole, the reference step on the whole partition at once (the path before host.py);
 - DeepSpeedCPUAdam (FP32 states, DeepSpeed's AVX C++ op), where it builds (JIT, first use).
 """
@@ -25,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from coat_ds import CoatAdamW  # noqa: E402
-from coat_ds.kernels import AdamWHyper, AdamWSlot, host  # noqa: E402
+from coat_ds.kernels import AdamWHyper, AdamWSlot, host, host_native  # noqa: E402
 from coat_ds.kernels import reference as R  # noqa: E402
 
 
@@ -56,6 +58,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--numel", type=int, default=8_388_608)
     ap.add_argument("--iters", type=int, default=7)
+    ap.add_argument("--fallback", action="store_true", help="also time the chunked reference (no C++ kernel)")
     ap.add_argument("--whole", action="store_true", help="also time the reference step on the whole partition")
     ap.add_argument("--no-ds", action="store_true", help="skip DeepSpeedCPUAdam")
     ap.add_argument("--out", default=None)
@@ -65,13 +68,22 @@ def main() -> None:
     p = make(args.numel)
     steps["torch AdamW foreach"] = torch.optim.AdamW([p], lr=1e-4, weight_decay=0.01, foreach=True).step
     p = make(args.numel)
-    steps["CoatAdamW host step (chunked)"] = CoatAdamW([p], lr=1e-4, weight_decay=0.01).step
-    if args.whole:
+    steps["CoatAdamW host step (fused C++ kernel)"] = CoatAdamW([p], lr=1e-4, weight_decay=0.01).step
+    if host_native.library() is None:
+        raise SystemExit("the host kernel did not build (see the log line above)")
+    hyper = AdamWHyper.at_step(10, 1e-4, 0.9, 0.999, 1e-8, 0.01)
+
+    def slot() -> AdamWSlot:
         p = make(args.numel)
         zeros = torch.zeros(args.numel)
-        slot = AdamWSlot(p.data, p.grad, R.quantize_groups(zeros), R.quantize_groups(zeros))
-        hyper = AdamWHyper.at_step(10, 1e-4, 0.9, 0.999, 1e-8, 0.01)
-        steps["reference step, whole partition"] = lambda: R.adamw_step([slot], hyper)
+        return AdamWSlot(p.data, p.grad, R.quantize_groups(zeros), R.quantize_groups(zeros))
+
+    if args.fallback:
+        chunked = slot()
+        steps["host step fallback: chunked reference"] = lambda: host.adamw_step([chunked], hyper, fused=False)
+    if args.whole:
+        whole = slot()
+        steps["reference step, whole partition"] = lambda: R.adamw_step([whole], hyper)
     ds_note = "skipped (--no-ds)"
     if not args.no_ds:
         try:
@@ -93,7 +105,8 @@ def main() -> None:
     base = statistics.median(times["torch AdamW foreach"])
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"\n{cpu_name()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, {date}; "
-          f"{args.numel:,} FP32 elements, {args.iters} rounds; chunk {host.HOST_CHUNK_ELEMS} elements")
+          f"{args.numel:,} FP32 elements, {args.iters} rounds; jobs of {host.HOST_CHUNK_ELEMS} elements; "
+          f"kernel built for {torch.backends.cpu.get_cpu_capability()}")
     print("| step | median ms | min ms | median / torch foreach |")
     print("|---|---|---|---|")
     rows = []
@@ -103,7 +116,8 @@ def main() -> None:
         print(f"| {name} | {med:.1f} | {min(ts):.1f} | {med / base:.2f}x |")
     if args.out:
         Path(args.out).write_text(json.dumps({"cpu": cpu_name(), "threads": torch.get_num_threads(), "date": date,
-                                              "numel": args.numel, "deepspeed_cpu_adam": ds_note, "rows": rows},
+                                              "numel": args.numel, "simd": torch.backends.cpu.get_cpu_capability(),
+                                              "deepspeed_cpu_adam": ds_note, "rows": rows},
                                              indent=1))
 
 

@@ -1,19 +1,20 @@
-"""The AdamW step on host tensors (ZeRO-Offload, CPU training): the torch reference step,
-run over group-aligned chunks on the cores.
+"""The AdamW step on host tensors (ZeRO-Offload, CPU training).
 
-`reference.adamw_step` on a whole tensor materializes about ten FP32 temporaries of its size
-(~38 bytes per element: 33 GB per rank for a 7B model offloaded from 8 ranks). Here each
-tensor is cut into chunks of whole quantization groups, at most `HOST_CHUNK_ELEMS` elements
-each, and the same reference step runs on each chunk's views of the parameter, gradient and
-moment state, so transient memory is bounded by the chunks in flight and the math is the
-reference's (a fix there applies here). Groups never straddle chunks and every op of the
-step is elementwise or per group, so the result is the whole-tensor step's, bit for bit.
+The fused C++ kernel (host_adamw.cpp, built on first use by host_native.py) runs the step
+group by group: it reads each element's parameter, gradient and moment codes once, keeps a
+group's ~6 x G floats of scratch per thread and writes the results back, computing what
+`reference.adamw_step` computes in the same float32 operations (tests/test_host_kernel.py
+holds the two together). Work is cut into jobs of whole groups (`HOST_CHUNK_ELEMS` elements
+at most) that `torch.get_num_threads()` threads take in turn; ctypes releases the GIL.
 
-Chunks run on `torch.get_num_threads()` threads (torch's ops release the GIL). A chunk is
-one of ATen's 32768-element grains, so each op runs inline in its thread: ~80 ops per chunk
-would otherwise each fork and join the intra-op pool, and a chunk's temporaries (~1.3 MB)
-stay in the core's caches between ops, where a whole partition streams through memory for
-each of them.
+Where the kernel did not build, or for a slot it does not take (other dtypes, non-
+contiguous tensors), the torch reference runs instead. `reference.adamw_step` on a whole
+tensor materializes about ten FP32 temporaries of its size (~38 bytes per element: 33 GB
+per rank for a 7B model offloaded from 8 ranks), so a contiguous host tensor is cut into
+chunks of whole quantization groups and the reference runs on each chunk's views; groups
+never straddle chunks and every op of the step is elementwise or per group, so the result
+is the whole-tensor step's, bit for bit. A chunk is one of ATen's 32768-element grains, so
+each op runs inline in its thread and a chunk's temporaries stay in the core's caches.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from . import reference
+from . import host_native, reference
+from .fp8 import get_format
 from .layout import AdamWHyper, AdamWSlot, QuantizedGroups, group_layout
 
 __all__ = ["adamw_step", "chunk_slots", "HOST_CHUNK_ELEMS"]
@@ -83,12 +85,52 @@ def chunk_slots(slot: AdamWSlot, group_size: int, chunk_elems: int) -> list[Adam
     return out
 
 
+def _native_jobs(slots, fm, fv, group_size: int, chunk_elems: int) -> tuple[list, list]:
+    """(jobs for the fused kernel: (slot arguments, first group, end group), slots it does
+    not take). A job is at most a chunk's whole groups, so threads share out the work."""
+    jobs, rest = [], []
+    per = max(1, chunk_elems // group_size)
+    for s in slots:
+        lay = group_layout(s.param.shape, group_size)
+        if lay.num_groups == 0:
+            continue
+        head = host_native.slot_args(s, fm, fv, lay.cols)
+        if head is None:
+            rest.append(s)
+            continue
+        jobs.extend((head, g0, min(lay.num_groups, g0 + per)) for g0 in range(0, lay.num_groups, per))
+    return jobs, rest
+
+
+def _run_native(lib, jobs: list, hyper: AdamWHyper, fm, fv, group_size: int, dre: bool) -> int:
+    consts = host_native.step_consts(hyper, fm, fv)
+
+    def drain(it) -> int:
+        return sum(host_native.step_range(lib, head, group_size, consts, dre, g0, g1) for head, g0, g1 in it)
+
+    workers = min(torch.get_num_threads(), len(jobs))
+    if workers <= 1:
+        return drain(jobs)
+    it = iter(jobs)  # shared: each worker takes the next job when done (next() holds the GIL)
+    return sum(_executor(torch.get_num_threads()).map(lambda _: drain(it), range(workers)))
+
+
 def adamw_step(slots: list[AdamWSlot], hyper: AdamWHyper, *, group_size: int = 128, fmt_m="e4m3",
                fmt_v="e4m3", dre: bool = True, skipped: torch.Tensor | None = None,
-               plan_cache: dict | None = None, chunk_elems: int | None = None) -> None:
-    """`reference.adamw_step`, chunk by chunk for contiguous host tensors (same signature;
-    other tensors go to the reference whole). `chunk_elems` defaults to `HOST_CHUNK_ELEMS`."""
+               plan_cache: dict | None = None, chunk_elems: int | None = None, fused: bool = True) -> None:
+    """`reference.adamw_step` on host tensors (same signature): the fused kernel where it
+    built and takes the slot, else the reference chunk by chunk for contiguous tensors and
+    whole for the others. `chunk_elems` defaults to `HOST_CHUNK_ELEMS`; `fused=False` runs
+    the fallback (benchmarks)."""
     chunk_elems = chunk_elems or HOST_CHUNK_ELEMS
+    lib = host_native.library() if fused else None
+    if lib is not None:
+        fm, fv = get_format(fmt_m), get_format(fmt_v)
+        jobs, slots = _native_jobs(slots, fm, fv, group_size, chunk_elems)
+        if jobs:
+            n = _run_native(lib, jobs, hyper, fm, fv, group_size, dre)
+            if skipped is not None and n:
+                skipped += n
     whole, parts = [], []
     for s in slots:
         host = all(t.device.type == "cpu" and t.is_contiguous() for t in (s.param, s.grad))
