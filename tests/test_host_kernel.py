@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import coat_ds
-from coat_ds.kernels import AdamWHyper, AdamWSlot, QuantizedGroups, host, host_native
+from coat_ds.kernels import AdamWHyper, AdamWSlot, group_layout, host, host_native
 from coat_ds.kernels import reference as R
 
 needs_kernel = pytest.mark.skipif(host_native.library() is None, reason="the host kernel did not build here")
@@ -143,3 +143,33 @@ def test_failed_build_logs_once_and_the_reference_runs(monkeypatch, caplog):
     assert sum("did not build" in r.getMessage() for r in caplog.records) == 1
     for x, y in zip([a.param, *a.exp_avg, *a.exp_avg_sq], [b.param, *b.exp_avg, *b.exp_avg_sq]):
         assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+
+
+@needs_kernel
+def test_kernel_takes_per_group_skip_counts(monkeypatch):
+    """Groups that skipped steps before are bias-corrected at their own step count, and a
+    group skipped now is counted in its entry, in the kernel as in the reference."""
+    a = _slot((300, 1000), 1, True, torch.float32, torch.float32, "e4m3", "e4m3")
+    gen = torch.Generator().manual_seed(5)
+    a = a._replace(skips=torch.randint(0, 4, group_layout(a.param.shape, 128).meta_shape, dtype=torch.int32,
+                                       generator=gen))
+    b = copy.deepcopy(a)
+    start = a.skips.clone()
+    for step in range(5, 8):
+        grad = torch.randn(a.param.shape, generator=gen) * 1e-3
+        if step == 6:
+            grad[7, 300] = float("nan")  # row 7, group 2
+        a.grad.copy_(grad)
+        b.grad.copy_(grad)
+        hyper = AdamWHyper.at_step(step, 1e-3, 0.9, 0.999, 1e-8, 0.01)
+        R.adamw_step([a], hyper)
+        with monkeypatch.context() as m:
+            m.setattr(R, "adamw_step", lambda *args, **kw: pytest.fail("the reference ran, not the kernel"))
+            host.adamw_step([b], hyper)
+    assert torch.equal(a.skips, b.skips) and b.skips[7, 2] == start[7, 2] + 1
+    update = (a.param - _slot((300, 1000), 1, True, torch.float32, torch.float32, "e4m3", "e4m3").param).abs().max()
+    assert (a.param - b.param).abs().max() <= 0.01 * update
+    if SAME_MATH:
+        assert _same(a.param, b.param) >= 0.99
+    da, db = R.dequantize_groups(a.exp_avg_sq), R.dequantize_groups(b.exp_avg_sq)
+    assert _sqnr_db(da, db) >= 40

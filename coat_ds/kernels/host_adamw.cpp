@@ -121,7 +121,11 @@ struct Moment {
 
 struct Step {
   int64_t cols, group_size, groups_per_row;
-  float beta1, one_minus_beta1, beta2, one_minus_beta2, eps, decay, step_size, bc2_sqrt;
+  float beta1, one_minus_beta1, beta2, one_minus_beta2, eps, decay, step_size, inv_bc2_sqrt;
+  // Groups that skipped steps before (skips[gi] > 0) are bias-corrected at step - skips[gi]
+  // (reference._group_bias_corrections): lr / (1 - beta1^n), 1 / sqrt(1 - beta2^n) in float32.
+  float lr, step, log2_beta1, log2_beta2;
+  int32_t* skips;  // per group, or null: no group skipped before and none is counted
   int dre, k_min, k_max, k_one;
 };
 
@@ -259,6 +263,14 @@ int64_t run(PT* param, const GT* grad, const Moment& mm, const Moment& mv, const
   int64_t skipped = 0;
   for (int64_t gi = g0; gi < g1; ++gi) {
     int64_t r = gi / s.groups_per_row, j = gi % s.groups_per_row;
+    float step_size = s.step_size, inv_bc2_sqrt = s.inv_bc2_sqrt;
+    if (s.skips != nullptr && s.skips[gi] > 0) {
+      const float n_steps = s.step - static_cast<float>(s.skips[gi]);
+      float pw[2] = {n_steps * s.log2_beta1, n_steps * s.log2_beta2};
+      vexp2(pw, 2);
+      step_size = s.lr / (1.0f - pw[0]);
+      inv_bc2_sqrt = 1.0f / std::sqrt(1.0f - pw[1]);
+    }
     int64_t off = r * s.cols + j * G, n = std::min(G, s.cols - j * G);
     for (int64_t i = 0; i < n; ++i) Gr[i] = load(grad, off + i);
     moment_in(mm, gi, off, n, M, w.t.data());
@@ -269,14 +281,15 @@ int64_t run(PT* param, const GT* grad, const Moment& mm, const Moment& mv, const
     }
     if (!(all_finite(Gr, n) && all_finite(M, n) && all_finite(V, n))) {
       ++skipped;  // the group keeps its parameter and both moments
+      if (s.skips != nullptr) ++s.skips[gi];
       continue;
     }
     float* D = w.t.data();
     std::memcpy(D, V, n * sizeof(float));
     vsqrt(D, n);
     for (int64_t i = 0; i < n; ++i) {
-      float denom = D[i] / s.bc2_sqrt + s.eps;
-      P[i] = load(param, off + i) * s.decay - s.step_size * (M[i] / denom);
+      float denom = D[i] * inv_bc2_sqrt + s.eps;
+      P[i] = load(param, off + i) * s.decay - step_size * (M[i] / denom);
     }
     for (int64_t i = 0; i < n; ++i) store(param, off + i, P[i]);
     moment_out(mm, s, gi, off, n, M, w);
@@ -293,13 +306,15 @@ extern "C" {
 // of them were skipped for non-finite values. p_bf16 / g_bf16: BF16 instead of FP32.
 // m_fmt / v_fmt: -1 FP32 moment (center, kcode, sexp unused), 0 E4M3, 1 E5M2.
 // hyper: lr * weight decay complement (1 - lr * wd), beta1, beta2, eps, step_size,
-// bias_correction2_sqrt, 1 - beta1, 1 - beta2, as float64 (cast to float32 here, as
-// torch casts a Python scalar). fmt_dre: K_ONE * dre_log2_range of m's and v's formats.
+// 1 / bias_correction2_sqrt, 1 - beta1, 1 - beta2, lr, step, log2(beta1), log2(beta2), as
+// float64 (cast to float32 here, as torch casts a Python scalar). skips: int32 per group
+// (rows x groups per row) or null. fmt_dre: K_ONE * dre_log2_range of m's and v's formats.
 // kcodes: K_ONE, K_MIN_CODE, K_MAX_CODE.
 int64_t coat_host_adamw_step(void* param, int p_bf16, const void* grad, int g_bf16, void* m, float* m_center,
                              uint8_t* m_kcode, int8_t* m_sexp, int m_fmt, void* v, float* v_center, uint8_t* v_kcode,
                              int8_t* v_sexp, int v_fmt, int64_t cols, int64_t group_size, const double* hyper,
-                             const double* fmt_dre, const int64_t* kcodes, int dre, int64_t g0, int64_t g1) {
+                             const double* fmt_dre, const int64_t* kcodes, int dre, int32_t* skips, int64_t g0,
+                             int64_t g1) {
   Step s;
   s.cols = cols;
   s.group_size = group_size;
@@ -309,9 +324,14 @@ int64_t coat_host_adamw_step(void* param, int p_bf16, const void* grad, int g_bf
   s.beta2 = static_cast<float>(hyper[2]);
   s.eps = static_cast<float>(hyper[3]);
   s.step_size = static_cast<float>(hyper[4]);
-  s.bc2_sqrt = static_cast<float>(hyper[5]);
+  s.inv_bc2_sqrt = static_cast<float>(hyper[5]);
   s.one_minus_beta1 = static_cast<float>(hyper[6]);
   s.one_minus_beta2 = static_cast<float>(hyper[7]);
+  s.lr = static_cast<float>(hyper[8]);
+  s.step = static_cast<float>(hyper[9]);
+  s.log2_beta1 = static_cast<float>(hyper[10]);
+  s.log2_beta2 = static_cast<float>(hyper[11]);
+  s.skips = skips;
   s.dre = dre;
   s.k_one = static_cast<int>(kcodes[0]);
   s.k_min = static_cast<int>(kcodes[1]);

@@ -37,7 +37,7 @@ _lib: list = [None, False]  # the loaded library, and whether loading was tried
 _lock = threading.Lock()
 
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-_ARGTYPES = [_P, _I, _P, _I, _P, _P, _P, _P, _I, _P, _P, _P, _P, _I, _I64, _I64, _P, _P, _P, _I, _I64, _I64]
+_ARGTYPES = [_P, _I, _P, _I, _P, _P, _P, _P, _I, _P, _P, _P, _P, _I, _I64, _I64, _P, _P, _P, _I, _P, _I64, _I64]
 
 
 def _build() -> ctypes.CDLL:
@@ -88,12 +88,13 @@ def _moment(mom, shape) -> tuple | None:
 
 
 def slot_args(slot: AdamWSlot, fmt_m: Fp8Format, fmt_v: Fp8Format, cols: int) -> tuple | None:
-    """The per-slot head of the kernel's arguments, or None for a slot it does not take
-    (another dtype or device, non-contiguous tensors, per-group skip counts): that slot goes
-    to the reference."""
+    """The per-slot head of the kernel's arguments (its last element: the per-group skip
+    counts' address, or None), or None for a slot it does not take (another dtype or device,
+    non-contiguous tensors): that slot goes to the reference."""
     p, g = slot.param, slot.grad
-    if getattr(slot, "skips", None) is not None:
-        return None  # per-group skipped-step counts (bias corrections per group): the reference's
+    skips = slot.skips
+    if skips is not None and (skips.dtype != torch.int32 or not skips.is_contiguous() or skips.device.type != "cpu"):
+        return None
     if p.dtype not in _PDTYPES or g.dtype not in _PDTYPES or g.shape != p.shape:
         return None
     if not all(t.device.type == "cpu" and t.is_contiguous() for t in (p, g)):
@@ -103,13 +104,15 @@ def slot_args(slot: AdamWSlot, fmt_m: Fp8Format, fmt_v: Fp8Format, cols: int) ->
         return None
     mf = fmt_m.id if isinstance(slot.exp_avg, QuantizedGroups) else -1
     vf = fmt_v.id if isinstance(slot.exp_avg_sq, QuantizedGroups) else -1
-    return (p.data_ptr(), _PDTYPES[p.dtype], g.data_ptr(), _PDTYPES[g.dtype], *m, mf, *v, vf, cols)
+    return (p.data_ptr(), _PDTYPES[p.dtype], g.data_ptr(), _PDTYPES[g.dtype], *m, mf, *v, vf, cols,
+            None if skips is None else skips.data_ptr())
 
 
 def step_consts(hyper: AdamWHyper, fmt_m: Fp8Format, fmt_v: Fp8Format) -> tuple:
     """The scalars every range of one step shares, as C arrays (kept alive by the caller)."""
-    h = (ctypes.c_double * 8)(1 - hyper.lr * hyper.weight_decay, hyper.beta1, hyper.beta2, hyper.eps,
-                              hyper.step_size, hyper.bias_correction2_sqrt, 1 - hyper.beta1, 1 - hyper.beta2)
+    h = (ctypes.c_double * 12)(1 - hyper.lr * hyper.weight_decay, hyper.beta1, hyper.beta2, hyper.eps,
+                               hyper.step_size, 1.0 / hyper.bias_correction2_sqrt, 1 - hyper.beta1, 1 - hyper.beta2,
+                               hyper.lr, hyper.step, *hyper.log2_betas())
     dre = (ctypes.c_double * 2)(K_ONE * fmt_m.dre_log2_range, K_ONE * fmt_v.dre_log2_range)
     k = (ctypes.c_int64 * 3)(K_ONE, K_MIN_CODE, K_MAX_CODE)
     return h, dre, k
@@ -118,4 +121,4 @@ def step_consts(hyper: AdamWHyper, fmt_m: Fp8Format, fmt_v: Fp8Format) -> tuple:
 def step_range(lib: ctypes.CDLL, head: tuple, group_size: int, consts: tuple, dre: bool, g0: int, g1: int) -> int:
     """Groups [g0, g1) of one slot; returns how many were skipped (non-finite)."""
     h, fdre, k = consts
-    return lib.coat_host_adamw_step(*head, group_size, h, fdre, k, int(dre), g0, g1)
+    return lib.coat_host_adamw_step(*head[:-1], group_size, h, fdre, k, int(dre), head[-1], g0, g1)
