@@ -113,8 +113,8 @@ def setup_deepspeed(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
 def setup_fsdp_engine(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
     """FSDP2 or FSDP1 with the optimizer, batch sizes, clipping and BF16 of the DeepSpeed JSON."""
     from coat_ds.engines import build_optimizer, optimizer_state_bytes, read_ds_settings
-    from coat_ds.integrations.fsdp import (clip_grad_norm_, load_checkpoint, resolve_checkpoint, save_checkpoint,
-                                           setup_fsdp)
+    from coat_ds.integrations.fsdp import (clip_grad_norm_, load_checkpoint_folder, resolve_checkpoint,
+                                           save_checkpoint, setup_fsdp)
 
     ds = read_ds_settings(cfg.deepspeed, dist.get_world_size())
     # As under DeepSpeed's bf16: FP32 master weights and optimizer, BF16 compute, FP32 reduction.
@@ -139,7 +139,7 @@ def setup_fsdp_engine(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
 
     def load(load_dir):
         folder = resolve_checkpoint(load_dir)
-        step = load_checkpoint(folder, model, optim)
+        step = load_checkpoint_folder(folder, model, optim)  # resolved and verified once, above
         # The scheduler is not in the checkpoint: put it, and the LR it sets, at `step`.
         sched.last_epoch = step
         for group, base in zip(optim.param_groups, sched.base_lrs):

@@ -52,7 +52,8 @@ from ..config import ActivationConfig
 from ..optim.sharded import mark_global_numel
 from ..optim.state import MOMENTS
 
-__all__ = ["FsdpConfig", "setup_fsdp", "save_checkpoint", "load_checkpoint", "resolve_checkpoint", "clip_grad_norm_",
+__all__ = ["FsdpConfig", "setup_fsdp", "save_checkpoint", "load_checkpoint", "load_checkpoint_folder",
+           "resolve_checkpoint", "clip_grad_norm_",
            "fsdp1_optim_state_dict", "fsdp1_load_optim_state_dict", "is_fsdp1", "is_fsdp2"]
 
 _MODES = ("fsdp2", "fsdp1")
@@ -260,7 +261,12 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optim) -> int:
     """Load a `save_checkpoint` folder, or the newest complete one in the save folder `path`,
     into `model` and `optim`, possibly saved on a different number of ranks (call on every
     rank); returns the saved step."""
-    folder = resolve_checkpoint(path)
+    return load_checkpoint_folder(resolve_checkpoint(path), model, optim)
+
+
+def load_checkpoint_folder(folder: str | os.PathLike, model: nn.Module, optim) -> int:
+    """`load_checkpoint` of the checkpoint folder `resolve_checkpoint` returned, without
+    searching or verifying it again; returns the saved step."""
     state = _state(model, optim)
     state["train"] = {"step": torch.zeros((), dtype=torch.int64)}
     # FSDP1's ShardedTensors of parameters this rank holds no element of have no local
