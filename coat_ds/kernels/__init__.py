@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 
 from . import host, reference
-from .fp8 import E4M3, E5M2, Fp8Format, get_format, kernel_isa, log_reference_path, set_fp8_conversions, triton_usable
+from .fp8 import E4M3, E5M2, Fp8Format, get_format, kernel_isa, set_fp8_conversions, triton_usable, use_triton
 from .layout import AdamWHyper, AdamWSlot, GroupLayout, QuantizedGroups, group_layout
 
 __all__ = [
@@ -48,11 +48,4 @@ def get_ops(device: torch.device, backend: str = "auto") -> SimpleNamespace:
     CUDA, the reference elsewhere; CPU tensors reach Triton only through backend="triton"
     under TRITON_INTERPRET=1). Which FP8 conversions the Triton kernels use is chosen per
     device by `kernel_isa`."""
-    if backend == "torch" or (backend == "auto" and (device.type != "cuda" or not triton_usable(device))):
-        log_reference_path(device, backend)
-        return _TORCH_OPS
-    if not triton_usable(device):
-        raise RuntimeError(
-            f"backend='triton' cannot run on {device.type} tensors"
-            + (" (set TRITON_INTERPRET=1 to use Triton's interpreter on CPU)" if device.type == "cpu" else ""))
-    return _triton_ops()
+    return _triton_ops() if use_triton(device, backend) else _TORCH_OPS

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch
 
 from . import reference
-from .fp8 import log_reference_path, triton_usable
+from .fp8 import use_triton
 
 __all__ = ["get_act_ops"]
 
@@ -33,11 +33,4 @@ def _triton_act_ops() -> SimpleNamespace:
 def get_act_ops(device: torch.device, backend: str = "auto") -> SimpleNamespace:
     """Activation kernels for tensors on `device`: "triton", "torch" or "auto" (Triton on CUDA,
     the reference elsewhere; CPU reaches Triton only with backend="triton" under TRITON_INTERPRET=1)."""
-    if backend == "torch" or (backend == "auto" and (device.type != "cuda" or not triton_usable(device))):
-        log_reference_path(device, backend)
-        return _TORCH_ACT_OPS
-    if not triton_usable(device):
-        raise RuntimeError(f"backend='triton' cannot run on {device.type} tensors"
-                           + (" (set TRITON_INTERPRET=1 to use Triton's interpreter on CPU)"
-                              if device.type == "cpu" else ""))
-    return _triton_act_ops()
+    return _triton_act_ops() if use_triton(device, backend) else _TORCH_ACT_OPS

@@ -11,7 +11,7 @@ from functools import lru_cache
 import torch
 
 __all__ = ["Fp8Format", "E4M3", "E5M2", "get_format", "triton_usable", "K_ONE", "K_MIN_CODE", "K_MAX_CODE", "GEMM_ALIGN", "select_isa",
-           "kernel_isa", "set_fp8_conversions", "triton_version", "ISA_GENERIC", "ISA_NVIDIA", "ISA_NVIDIA_FP8"]
+           "kernel_isa", "set_fp8_conversions", "triton_version", "ISA_GENERIC", "ISA_NVIDIA", "ISA_NVIDIA_FP8", "use_triton"]
 
 # DRE exponents are stored as uint8 multiples of 1/16 (k = code / 16), which is why the
 # reference implementation rounds k down to a multiple of 1/16.
@@ -186,6 +186,21 @@ def kernel_isa(device: torch.device) -> int:
         where = f"{device.type}" + (f", compute capability {cap[0]}.{cap[1]}" if cap else "")
         _once((key, isa), f"coat_ds kernels on {where}: {PATH_NAMES[isa]}")
     return isa
+
+
+def use_triton(device: torch.device, backend: str, option: str = "backend") -> bool:
+    """Whether kernels for tensors on `device` are the Triton ones, for a `backend` of
+    "triton", "torch" or "auto" (Triton on CUDA where it runs, the reference elsewhere; CPU
+    tensors reach Triton only with "triton" under TRITON_INTERPRET=1). Logs the reference
+    path once; raises where "triton" cannot run, naming `option`."""
+    if backend == "torch" or (backend == "auto" and (device.type != "cuda" or not triton_usable(device))):
+        log_reference_path(device, backend)
+        return False
+    if not triton_usable(device):
+        raise RuntimeError(
+            f"{option}='triton' cannot run on {device.type} tensors"
+            + (" (set TRITON_INTERPRET=1 to use Triton's interpreter on CPU)" if device.type == "cpu" else ""))
+    return True
 
 
 def log_reference_path(device: torch.device, backend: str) -> None:

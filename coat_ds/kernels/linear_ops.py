@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from .fp8 import GEMM_ALIGN, get_format, triton_usable
+from .fp8 import GEMM_ALIGN, get_format, triton_usable, use_triton
 
 __all__ = ["get_linear_ops"]
 
@@ -59,14 +59,6 @@ def get_linear_ops(device: torch.device, backend: str = "auto"):
     tensors on `device`: "triton" (the custom op over the Triton kernels), "torch" (the twin)
     or "auto": the twin while torch.compile traces (Inductor then fuses the casts into their
     producers) and on CPU, the Triton op on CUDA."""
-    if backend == "torch":
+    if backend == "auto" and torch.compiler.is_compiling():
         return _torch_quantize
-    if backend == "triton":
-        if not triton_usable(device):
-            raise RuntimeError(f"Fp8LinearConfig.backend='triton' cannot run on {device.type} tensors"
-                               + (" (set TRITON_INTERPRET=1 to use Triton's interpreter on CPU)"
-                                  if device.type == "cpu" else ""))
-        return _custom_quantize
-    if torch.compiler.is_compiling() or device.type != "cuda" or not triton_usable(device):
-        return _torch_quantize
-    return _custom_quantize
+    return _custom_quantize if use_triton(device, backend, "Fp8LinearConfig.backend") else _torch_quantize
