@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from coat_ds import CoatAdamW, compress_activations  # noqa: E402
+from coat_ds import CoatAdamW, compress_activations, convert_to_fp8_linear  # noqa: E402
 from coat_ds.data import DataConfig, batch_seed, load_data  # noqa: E402
 from coat_ds.model import Llama, model_config  # noqa: E402
 
@@ -40,6 +40,7 @@ VARIANTS = {
     "adamw": "torch AdamW",
     "coat": "CoatAdamW (FP8 moments, DRE)",
     "coat_act": "CoatAdamW + FP8 activations",
+    "coat_fp8": "CoatAdamW + FP8 activations + FP8 linears",
     # A negative control, not run by default: per-group absmax FP8 moments without DRE. It
     # shows that the parity measurement can tell a good quantizer from a poor one.
     "coat_nodre": "CoatAdamW without DRE (control)",
@@ -70,7 +71,9 @@ def run_variant(variant: str, args, data, device: torch.device) -> dict:
     else:
         opt = CoatAdamW(model.parameters(), lr=args.lr, betas=betas, weight_decay=args.weight_decay,
                         dynamic_range_expansion=variant != "coat_nodre")
-    handle = compress_activations(model) if variant == "coat_act" else None
+    if variant == "coat_fp8":
+        convert_to_fp8_linear(model)
+    handle = compress_activations(model) if variant in ("coat_act", "coat_fp8") else None
     if args.compile:
         for block in model.blocks:  # in place, as train.py --compile does
             block.compile()
@@ -174,7 +177,8 @@ def main(argv=None) -> dict:
                 device=name, date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 torch=torch.__version__, preset=args.preset, params=cfg.num_params(), steps=args.steps,
                 tokens_per_step=args.batch_size * args.seq_len, precision="bf16 autocast" if device.type == "cuda"
-                and not args.fp32 else "fp32", data=data.description, lr=args.lr, warmup=args.warmup)
+                and not args.fp32 else "fp32", data=data.description, lr=args.lr, warmup=args.warmup,
+                seed=args.seed, compiled=args.compile)
     print(json.dumps(meta), flush=True)
     t0 = time.time()
     results = [run_variant(v, args, data, device) for v in variants]
