@@ -181,22 +181,34 @@ def main(argv=None) -> dict:
                 seed=args.seed, compiled=args.compile)
     print(json.dumps(meta), flush=True)
     t0 = time.time()
-    results = [run_variant(v, args, data, device) for v in variants]
-    meta["seconds"] = round(time.time() - t0, 1)
+    results = []
+    for v in variants:
+        results.append(run_variant(v, args, data, device))
+        meta["seconds"] = round(time.time() - t0, 1)
+        if args.out and v != variants[-1]:  # a run cut short keeps the variants it finished
+            _write(args.out, meta, _summary(results), results)
+    summary = _summary(results)
+    print(json.dumps(summary, indent=1))
+    if args.out:
+        _write(args.out, meta, summary, results)
+        plot(results, meta, args.out + ".png")
+    return dict(meta=meta, summary=summary, runs=results)
+
+
+def _summary(results: list[dict]) -> dict:
     base = next((r for r in results if r["variant"] == "adamw"), None)
     summary = {}
     for r in results:
         summary[r["variant"]] = {k: r[k] for k in ("final_train_loss", "val_loss", "tokens_per_s")}
         if base is not None:
             summary[r["variant"]]["val_rel_diff_vs_adamw"] = r["val_loss"] / base["val_loss"] - 1
-    print(json.dumps(summary, indent=1))
-    result = dict(meta=meta, summary=summary, runs=results)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out + ".json", "w") as f:
-            json.dump(result, f, indent=1)
-        plot(results, meta, args.out + ".png")
-    return result
+    return summary
+
+
+def _write(out: str, meta: dict, summary: dict, results: list[dict]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out + ".json", "w") as f:
+        json.dump(dict(meta=meta, summary=summary, runs=results), f, indent=1)
 
 
 if __name__ == "__main__":

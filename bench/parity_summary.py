@@ -10,8 +10,40 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
+
+_FINAL = re.compile(r"\[(?P<variant>\w+)\] final train (?P<train>\S+) val (?P<val>\S+) tokens/s (?P<tps>\S+)")
+
+
+def read_run(path: str) -> dict:
+    """A loss_parity.py record: its --out JSON, or its log (the first line is the run's meta
+    as JSON, and each finished variant prints `[variant] final train T val V tokens/s S`)."""
+    if path.endswith(".json"):
+        with open(path) as f:
+            return json.load(f)
+    with open(path) as f:
+        lines = f.read().splitlines()
+    summary = {}
+    for line in lines:
+        m = _FINAL.match(line)
+        if m:
+            summary[m["variant"]] = dict(final_train_loss=float(m["train"]), val_loss=float(m["val"]),
+                                         tokens_per_s=float(m["tps"]))
+    return dict(meta=json.loads(lines[0]), summary=summary)
+
+
+def merge_by_seed(runs: list[dict]) -> list[dict]:
+    """One record per seed: the variants of several runs made with the same seed and setup."""
+    merged: dict = {}
+    for run in runs:
+        entry = merged.setdefault(run["meta"].get("seed"), dict(meta=run["meta"], summary={}))
+        for variant, s in run["summary"].items():
+            if variant in entry["summary"]:
+                raise ValueError(f"seed {run['meta'].get('seed')}: variant {variant!r} appears twice")
+            entry["summary"][variant] = s
+    return list(merged.values())
 
 
 def summarize(runs: list[dict], bound: float) -> tuple[list[str], bool]:
@@ -48,13 +80,10 @@ def summarize(runs: list[dict], bound: float) -> tuple[list[str], bool]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("files", nargs="+", help="loss_parity.py --out JSON files, one per seed")
+    ap.add_argument("files", nargs="+", help="loss_parity.py --out JSON files or logs; runs of one seed are merged")
     ap.add_argument("--bound", type=float, default=0.01, help="allowed |mean paired difference| (0.01 = 1%%)")
     args = ap.parse_args(argv)
-    runs = []
-    for path in args.files:
-        with open(path) as f:
-            runs.append(json.load(f))
+    runs = merge_by_seed([read_run(p) for p in args.files])
     if len(runs) < 3:
         print(f"warning: {len(runs)} run(s); a parity claim needs 3+ seeds", file=sys.stderr)
     lines, ok = summarize(runs, args.bound)
