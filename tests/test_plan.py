@@ -72,7 +72,8 @@ def _synthetic(seed: int, n_layers: int, choices=CHOICES) -> Measurements:
         for b in (1, 2):
             held = tuple(1000 * x * b for x in per_layer[c])
             runs.append(ChoiceRun(c, b, held, 5000 + sum(held) + 1000 * extra[c] * b, time_per[c] * b + 0.3))
-    return Measurements(fqns, 16, "cpu", "synthetic", 2000, 2000, 1000, tuple(runs))
+    grads = tuple(rng.randint(0, 30000) for _ in fqns)
+    return Measurements(fqns, 16, "cpu", "synthetic", 2000, 2000, 1000, tuple(runs), grads)
 
 
 def _brute_force(model: CostModel, budget: float, max_batch: int):
@@ -89,11 +90,11 @@ def _brute_force(model: CostModel, budget: float, max_batch: int):
     return best
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(4))
 def test_search_matches_brute_force(seed):
     model = CostModel.from_measurements(_synthetic(seed, 5))
     rng = random.Random(100 + seed)
-    for _ in range(4):
+    for _ in range(3):
         budget = rng.uniform(8e3, 1.2e6)
         want = _brute_force(model, budget, 8)
         got = search_plan(model, budget, max_batch=8)

@@ -85,6 +85,7 @@ class Measurements:
     grads_bytes: int  # gradients after backward
     optimizer_state_bytes: int  # optimizer state but step counters, after steps
     runs: tuple[ChoiceRun, ...]  # one per measured choice and micro-batch
+    layer_grad_bytes: tuple[int, ...]  # per layer: bytes of its parameters' gradients (allocated as backward passes it)
 
     @property
     def fixed_bytes(self) -> int:
@@ -106,7 +107,8 @@ class Measurements:
     @classmethod
     def from_dict(cls, d: dict) -> "Measurements":
         runs = tuple(ChoiceRun(**{**r, "layer_bytes": tuple(r["layer_bytes"])}) for r in d["runs"])
-        return cls(**{**d, "layers": tuple(d["layers"]), "runs": runs})
+        return cls(**{**d, "layers": tuple(d["layers"]), "runs": runs,
+                      "layer_grad_bytes": tuple(d["layer_grad_bytes"])})
 
 
 def _sync(device: torch.device) -> None:
@@ -262,8 +264,10 @@ def measure_choices(model: nn.Module, optimizer_factory: Callable, *, config: Me
         state_bytes = s.state_bytes()
     finally:
         s.close()
+    grad_bytes = tuple(sum(p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad)
+                       for layer in s.layers)
     return Measurements(tuple(s.fqns), config.seq_len, str(s.device), s.meter_for(s.device).kind,
-                        s.storage_bytes(s.params), s.grads_bytes, state_bytes, tuple(runs))
+                        s.storage_bytes(s.params), s.grads_bytes, state_bytes, tuple(runs), grad_bytes)
 
 
 def measure_plan(model: nn.Module, plan: Plan, optimizer_factory: Callable, *, config: MeasureConfig | None = None,

@@ -1,17 +1,25 @@
-"""From measurements to a plan: a linear cost model per layer and choice, and the search for
+"""From measurements to a plan: a cost model linear in the micro-batch, and the search for
 the assignment with the most tokens/s whose predicted peak fits a budget.
 
-Prediction, for choices a (one per layer) at micro-batch b:
-    peak(a, b) = fixed + sum_i bytes_i(a_i, b) + max over choices c used in a of transient_c(b)
+Prediction, for choices a (one per layer) at micro-batch b, with held_i(c, b) the bytes
+layer i's forward leaves allocated under c and prefix_j the sum of held over layers 0..j:
     step(a, b) = step_base(b) + sum_i seconds_i(a_i, b)
-and the peak never below `fixed`. bytes_i(c, b): what layer i's forward leaves allocated
-under c; transient_c(b): the rest of the measured peak of the all-c run (logits and loss,
-gradients, a recomputed layer's activations in backward); step_base is the all-base run's step time, seconds_i(c, b) the
-all-c run's step time above it, shared equally by the layers. Each is linear in b through
-the two measured micro-batches. The search is exact for this model: per micro-batch and per
-set of choices allowed, a dynamic programme over layers keeps every (bytes, seconds) point
-not beaten on both (a Pareto front); past `MAX_FRONT` points the front is thinned on bytes
-rounded up, so what it returns still fits.
+    peak(a, b) = fixed + max(S + head(a, b), max over recomputed layers j of
+                             prefix_j - grads_0..j + remat(b))
+S is prefix over every layer: the start of backward, everything held, with the head's
+transient (logits, loss; the largest of head_c over the non-recomputed choices used). The
+second term is backward reaching a recomputed layer j: the layers before it still held, its
+own activations rematerialised, the gradients of layers 0..j not allocated yet. head_c is
+the rest of the all-c run's measured peak, remat the rest of the all-recompute run's (at its
+largest j); step_base is the all-base run's step time and seconds_i(c, b) the all-c run's
+step time above it shared equally by the layers. Each is a line in b through the two
+measured micro-batches; the peak is never below `fixed`.
+
+The search is exact for this model: per micro-batch and per set of choices allowed, a dynamic
+programme over layers keeps every (prefix bytes, seconds) point not beaten on both (a Pareto
+front); a recomputed layer's condition is a cap on the prefix where it is chosen, so the
+front stays exact. Past `MAX_FRONT` points the front is thinned to the fastest point per
+byte bucket (real bytes kept, so what it returns still fits).
 """
 from __future__ import annotations
 
@@ -24,6 +32,7 @@ from .plan import Plan
 __all__ = ["CostModel", "search_plan", "best_assignment", "MAX_FRONT"]
 
 MAX_FRONT = 20000  # Pareto points kept per layer before the front is thinned
+_REC = "recompute"
 
 
 def _line(b1: int, y1: float, b2: int, y2: float) -> tuple[float, float]:
@@ -33,15 +42,16 @@ def _line(b1: int, y1: float, b2: int, y2: float) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Linear-in-micro-batch costs: each entry an (intercept, slope) pair."""
+    """Costs linear in the micro-batch: each entry an (intercept, slope) pair."""
 
     layers: tuple[str, ...]  # decoder layer fqns, model order
     choices: tuple[str, ...]  # choices that were measured; the first is the time base
     seq_len: int  # tokens per sequence
     fixed_bytes: float  # parameters + gradients + optimizer state
+    layer_grad_bytes: tuple[float, ...]  # per layer: its gradients' bytes
     layer_bytes: tuple[tuple[tuple[float, float], ...], ...]  # [layer][choice] bytes left allocated by forward
     layer_s: tuple[tuple[tuple[float, float], ...], ...]  # [layer][choice] seconds above the base choice
-    transient: tuple[tuple[float, float], ...]  # [choice] peak not covered by fixed + layers
+    transient: tuple[tuple[float, float], ...]  # [choice] head transient; for "recompute": remat
     base_s: tuple[float, float]  # step time with every layer on the base choice
 
     @classmethod
@@ -52,16 +62,24 @@ class CostModel:
         b1, b2 = batches
         n = len(m.layers)
         base = choices[0]
+        grads = tuple(float(g) for g in m.layer_grad_bytes)
 
         def fit(f):
             return _line(b1, f(b1), b2, f(b2))
 
+        def rest(c: str, b: int) -> float:
+            run = m.run(c, b)
+            if c != _REC:
+                return run.peak_bytes - m.fixed_bytes - sum(run.layer_bytes)
+            prefix = list(itertools.accumulate(run.layer_bytes))
+            g = list(itertools.accumulate(grads))
+            return run.peak_bytes - m.fixed_bytes - max(p - x for p, x in zip(prefix, g))
+
         layer_bytes = tuple(tuple(fit(lambda b, c=c: m.run(c, b).layer_bytes[i]) for c in choices) for i in range(n))
         layer_s = tuple(tuple(fit(lambda b, c=c: (m.run(c, b).step_s - m.run(base, b).step_s) / n) for c in choices)
                         for _ in range(n))
-        transient = tuple(fit(lambda b, c=c: m.run(c, b).peak_bytes - m.fixed_bytes - sum(m.run(c, b).layer_bytes))
-                          for c in choices)
-        return cls(m.layers, choices, m.seq_len, float(m.fixed_bytes), layer_bytes, layer_s, transient,
+        transient = tuple(fit(lambda b, c=c: rest(c, b)) for c in choices)
+        return cls(m.layers, choices, m.seq_len, float(m.fixed_bytes), grads, layer_bytes, layer_s, transient,
                    fit(lambda b: m.run(base, b).step_s))
 
     @staticmethod
@@ -71,19 +89,25 @@ class CostModel:
     def predict(self, assignment, b: int) -> tuple[float, float]:
         """(peak bytes, step seconds) of choices `assignment` (names, one per layer) at micro-batch b."""
         idx = [self.choices.index(c) for c in assignment]
-        peak = self.fixed_bytes + sum(self.at(self.layer_bytes[i][j], b) for i, j in enumerate(idx))
-        peak += max(self.at(self.transient[j], b) for j in set(idx))
-        # Below the batches where activations dominate, the peak is at the end of backward:
-        # every gradient allocated, activations gone. A line through two such batches would
-        # go under it.
-        peak = max(peak, self.fixed_bytes)
+        held = [self.at(self.layer_bytes[i][j], b) for i, j in enumerate(idx)]
+        terms = []
+        heads = [self.at(self.transient[j], b) for j in set(idx) if self.choices[j] != _REC]
+        if heads:
+            terms.append(sum(held) + max(heads))
+        if _REC in assignment:
+            remat = self.at(self.transient[self.choices.index(_REC)], b)
+            prefix, grads = itertools.accumulate(held), itertools.accumulate(self.layer_grad_bytes)
+            terms += [p - g + remat for p, g, c in zip(prefix, grads, assignment) if c == _REC]
+        peak = max(self.fixed_bytes, self.fixed_bytes + max(terms))
         step = self.at(self.base_s, b) + sum(self.at(self.layer_s[i][j], b) for i, j in enumerate(idx))
         return peak, step
 
 
-def best_assignment(options: list[list[tuple[float, float]]], budget: float) -> tuple[list[int], float, float] | None:
-    """Indices (one per layer) minimising total seconds with total bytes <= budget, with
-    their (bytes, seconds); None where nothing fits. `options[i][j]` = (bytes, seconds)."""
+def best_assignment(options: list[list[tuple[float, float]]], budget: float,
+                    caps: list[list[float]] | None = None) -> tuple[list[int], float, float] | None:
+    """Indices (one per layer) minimising total seconds with total bytes <= budget and, where
+    option j is taken at layer i, the bytes of layers 0..i <= caps[i][j]; with their (bytes,
+    seconds); None where nothing fits. `options[i][j]` = (bytes, seconds)."""
     # The least bytes the layers after i can add (negative where a layer frees more than it
     # holds): a partial sum is dropped only when no completion can fit.
     rest = [0.0] * (len(options) + 1)
@@ -92,8 +116,9 @@ def best_assignment(options: list[list[tuple[float, float]]], budget: float) -> 
     front = [(0.0, 0.0, -1, -1)]  # (bytes, seconds, parent index in the previous front, option)
     history = []
     for i, opts in enumerate(options):
+        cap = caps[i] if caps is not None else [float("inf")] * len(opts)
         cand = [(fb + ob, fs + os_, k, j) for k, (fb, fs, _, _) in enumerate(front) for j, (ob, os_) in enumerate(opts)
-                if fb + ob + rest[i + 1] <= budget]
+                if fb + ob + rest[i + 1] <= budget and fb + ob <= cap[j]]
         if not cand:
             return None
         cand.sort(key=lambda t: (t[0], t[1]))
@@ -129,6 +154,23 @@ def _thin(front: list[tuple]) -> list[tuple]:
     return sorted(out.values(), key=lambda t: t[0])
 
 
+def _best_for(model: CostModel, subset: tuple[str, ...], b: int, room: float):
+    """Fastest assignment over `subset` at micro-batch b within `room` bytes above fixed."""
+    cols = [model.choices.index(c) for c in subset]
+    heads = [model.at(model.transient[j], b) for j in cols if model.choices[j] != _REC]
+    total = room - max(heads) if heads else float("inf")
+    caps = None
+    if _REC in subset:
+        remat = model.at(model.transient[model.choices.index(_REC)], b)
+        grads = list(itertools.accumulate(model.layer_grad_bytes))
+        caps = [[room - remat + grads[i] if c == _REC else float("inf") for c in subset]
+                for i in range(len(model.layers))]
+    opts = [[(model.at(model.layer_bytes[i][j], b), model.at(model.layer_s[i][j], b)) for j in cols]
+            for i in range(len(model.layers))]
+    found = best_assignment(opts, total, caps)
+    return None if found is None else [subset[j] for j in found[0]]
+
+
 def search_plan(model: CostModel, budget_bytes: float, *, max_batch: int,
                 choices: tuple[str, ...] | None = None) -> Plan | None:
     """The plan with the most tokens/s whose predicted peak is <= budget_bytes, over
@@ -143,17 +185,14 @@ def search_plan(model: CostModel, budget_bytes: float, *, max_batch: int,
     b = 1
     while b <= max_batch:
         for r in range(1, len(allowed) + 1):
+            # A subset fixes which head transient applies; the assignment found may use fewer
+            # choices (a smaller transient), and the subset of exactly those is tried too.
             for subset in itertools.combinations(allowed, r):
-                cols = [model.choices.index(c) for c in subset]
-                room = budget_bytes - model.fixed_bytes - max(model.at(model.transient[j], b) for j in cols)
-                opts = [[(model.at(model.layer_bytes[i][j], b), model.at(model.layer_s[i][j], b)) for j in cols]
-                        for i in range(len(model.layers))]
-                found = best_assignment(opts, room)
-                if found is None:
+                names = _best_for(model, subset, b, budget_bytes - model.fixed_bytes)
+                if names is None:
                     continue
-                names = [subset[j] for j in found[0]]
                 peak, step = model.predict(names, b)
-                if step <= 0:
+                if step <= 0 or peak > budget_bytes:
                     continue
                 tps = b * model.seq_len / step
                 if best is None or tps > best[0] * (1 + 1e-12) or (abs(tps - best[0]) <= 1e-12 * tps and peak < best[2]):
