@@ -77,7 +77,8 @@ def test_apply_plan_keep_exact_recompute_exact_fp8_within_bound(hf_llama):
             torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
 
     # Measured 36.6 dB (fp8) and 23.9 dB (fp8_linear everywhere) on this model and batch.
-    for plan, bound in ((Plan.uniform(fqns, "fp8", 2, 32), 30), (Plan(((fqns[0], "fp8"), (fqns[1], "fp8_linear")), 2, 32), 20)):
+    mixed = Plan(((fqns[0], "fp8"), (fqns[1], "fp8_linear")), 2, 32)
+    for plan, bound in ((Plan.uniform(fqns, "fp8", 2, 32), 30), (mixed, 20)):
         applied = apply_plan(hf_llama, plan)
         assert applied.activations is not None and applied.activations.regions == fqns
         loss, grads = _loss_and_grads(hf_llama, ids)

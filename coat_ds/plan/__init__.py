@@ -8,7 +8,8 @@ from .plan import CHOICES, Plan, load_plan
 from .search import CostModel, best_assignment, search_plan
 
 __all__ = ["CHOICES", "Plan", "load_plan", "apply_plan", "ApplyConfig", "AppliedPlan", "decoder_layers",
-           "training_loss", "MeasureConfig", "ChoiceRun", "Measurements", "measure_choices", "measure_plan", "CostModel",
+           "training_loss", "MeasureConfig", "ChoiceRun", "Measurements", "measure_choices", "measure_plan",
+           "CostModel",
            "best_assignment", "search_plan", "make_plan"]
 
 

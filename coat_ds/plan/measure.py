@@ -36,7 +36,7 @@ class MeasureConfig:
 
     seq_len: int = 2048  # tokens per sequence
     batches: tuple[int, int] = (1, 2)  # the two micro-batches every choice is measured at (costs linear in between)
-    choices: tuple[str, ...] = ("keep", "fp8", "recompute")  # choices measured (and searched); the first is the time base
+    choices: tuple[str, ...] = ("keep", "fp8", "recompute")  # measured and searched; the first is the time base
     timed_steps: int = 3  # timed steps per choice and micro-batch (their median is the step time)
     warmup_steps: int = 1  # untimed steps before each measurement (compilation, allocator, optimizer state)
     autocast: bool | None = None  # BF16 autocast around forward; None: on CUDA only

@@ -171,19 +171,26 @@ def _best_for(model: CostModel, subset: tuple[str, ...], b: int, room: float):
     return None if found is None else [subset[j] for j in found[0]]
 
 
-def search_plan(model: CostModel, budget_bytes: float, *, max_batch: int,
-                choices: tuple[str, ...] | None = None) -> Plan | None:
+def search_plan(model: CostModel, budget_bytes: float, *, max_batch: int | None = None,
+                micro_batches: tuple[int, ...] | None = None, choices: tuple[str, ...] | None = None) -> Plan | None:
     """The plan with the most tokens/s whose predicted peak is <= budget_bytes, over
-    micro-batches 1, 2, 4, ... <= max_batch and the allowed choices (default: all measured);
-    None where no micro-batch fits."""
+    micro-batches 1, 2, 4, ... <= max_batch (or exactly `micro_batches`) and the allowed
+    choices (default: all measured); None where no micro-batch fits."""
+    if (max_batch is None) == (micro_batches is None):
+        raise ValueError("search_plan: give max_batch or micro_batches (one of them)")
+    if micro_batches is None:
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"search_plan: max_batch: got {max_batch!r}; allowed: an integer >= 1")
+        micro_batches = tuple(2 ** k for k in range(max_batch.bit_length()))
+    elif not micro_batches or any(not isinstance(b, int) or b < 1 for b in micro_batches):
+        raise ValueError(f"search_plan: micro_batches: got {micro_batches!r}; allowed: integers >= 1")
     allowed = [c for c in (choices or model.choices) if c in model.choices]
     if not allowed:
         raise ValueError(f"choices {choices!r}: none of them was measured ({model.choices})")
     if model.fixed_bytes > budget_bytes:
         return None
     best = None
-    b = 1
-    while b <= max_batch:
+    for b in micro_batches:
         for r in range(1, len(allowed) + 1):
             # A subset fixes which head transient applies; the assignment found may use fewer
             # choices (a smaller transient), and the subset of exactly those is tried too.
@@ -195,9 +202,9 @@ def search_plan(model: CostModel, budget_bytes: float, *, max_batch: int,
                 if step <= 0 or peak > budget_bytes:
                     continue
                 tps = b * model.seq_len / step
-                if best is None or tps > best[0] * (1 + 1e-12) or (abs(tps - best[0]) <= 1e-12 * tps and peak < best[2]):
+                tie = best is not None and abs(tps - best[0]) <= 1e-12 * tps
+                if best is None or (tps > best[0] and not tie) or (tie and peak < best[2]):
                     best = (tps, names, peak, step, b)
-        b *= 2
     if best is None:
         return None
     _, names, peak, step, b = best
