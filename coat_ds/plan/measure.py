@@ -35,7 +35,7 @@ class MeasureConfig:
     """How the planner measures a model."""
 
     seq_len: int = 2048  # tokens per sequence
-    batches: tuple[int, int] = (1, 2)  # the two micro-batches every choice is measured at (costs linear in between)
+    batches: tuple[int, ...] = (1, 2)  # micro-batches each choice is measured at: two (a line), or one (proportional)
     choices: tuple[str, ...] = ("keep", "fp8", "recompute")  # measured and searched; the first is the time base
     timed_steps: int = 3  # timed steps per choice and micro-batch (their median is the step time)
     warmup_steps: int = 1  # untimed steps before each measurement (compilation, allocator, optimizer state)
@@ -46,8 +46,9 @@ class MeasureConfig:
         if not isinstance(self.seq_len, int) or self.seq_len < 1:
             raise ValueError(f"MeasureConfig.seq_len: got {self.seq_len!r}; allowed: an integer >= 1")
         b = tuple(self.batches)
-        if len(b) != 2 or not all(isinstance(x, int) for x in b) or not 1 <= b[0] < b[1]:
-            raise ValueError(f"MeasureConfig.batches: got {self.batches!r}; allowed: two integers 1 <= b1 < b2")
+        if len(b) not in (1, 2) or not all(isinstance(x, int) and x >= 1 for x in b) or (len(b) == 2 and b[0] >= b[1]):
+            raise ValueError(f"MeasureConfig.batches: got {self.batches!r}; allowed: one integer >= 1, or two "
+                             "with 1 <= b1 < b2")
         object.__setattr__(self, "batches", b)
         choices = tuple(self.choices)
         bad = [c for c in choices if c not in CHOICES]

@@ -13,7 +13,7 @@ own activations rematerialised, the gradients of layers 0..j not allocated yet. 
 the rest of the all-c run's measured peak, remat the rest of the all-recompute run's (at its
 largest j); step_base is the all-base run's step time and seconds_i(c, b) the all-c run's
 step time above it shared equally by the layers. Each is a line in b through the two
-measured micro-batches; the peak is never below `fixed`.
+measured micro-batches (one measured: proportional to b); the peak is never below `fixed`.
 
 The search is exact for this model: per micro-batch and per set of choices allowed, a dynamic
 programme over layers keeps every (prefix bytes, seconds) point not beaten on both (a Pareto
@@ -36,6 +36,8 @@ _REC = "recompute"
 
 
 def _line(b1: int, y1: float, b2: int, y2: float) -> tuple[float, float]:
+    if b1 == b2:  # one measured micro-batch: proportional, exact there
+        return 0.0, y1 / b1
     slope = (y2 - y1) / (b2 - b1)
     return y1 - slope * b1, slope
 
@@ -59,7 +61,7 @@ class CostModel:
         choices = m.choices
         if batches is None:
             batches = tuple(sorted({r.batch for r in m.runs}))[:2]
-        b1, b2 = batches
+        b1, b2 = batches[0], batches[-1]
         n = len(m.layers)
         base = choices[0]
         grads = tuple(float(g) for g in m.layer_grad_bytes)
