@@ -157,8 +157,8 @@ def _verdicts(rows: list[dict]) -> list[str]:
     for r in rows:
         if not r["side"].startswith("plan@") or "ms" not in r:
             continue
-        sides = [s for s in rows if s["shape"] == r["shape"] and s["side"] in ("bf16", "bf16_ckpt", "coat") and "ms" in s
-                 and s["peak_gb"] <= r["budget_gb"]]
+        sides = [s for s in rows if s["shape"] == r["shape"] and s["side"] in ("bf16", "bf16_ckpt", "coat")
+                 and "ms" in s and s["peak_gb"] <= r["budget_gb"]]
         best = min(sides, key=lambda s: s["ms"], default=None)
         fits = "fits" if r["peak_gb"] <= r["budget_gb"] else "OVER budget"
         vs = f"{best['ms'] / r['ms']:.2f}x {best['side']}'s (the fastest other side within it)" if best \

@@ -118,10 +118,13 @@ def _sync(device: torch.device) -> None:
 
 
 class _LayerBytes:
-    """Forward hooks reading the meter around each layer."""
+    """Forward hooks reading the meter around each layer while a meter is set.
 
-    def __init__(self, layers: list[nn.Module], meter):
-        self.meter, self.before, self.held = meter, {}, [0] * len(layers)
+    On for the whole session, not only the measured step: compiled layers guard on their
+    hooks, so hooks added and removed around one step would recompile them twice per run."""
+
+    def __init__(self, layers: list[nn.Module]):
+        self.meter, self.before, self.held = None, {}, [0] * len(layers)
         self.handles = []
         for i, layer in enumerate(layers):
             self.handles.append(layer.register_forward_pre_hook(self._pre(i)))
@@ -130,13 +133,15 @@ class _LayerBytes:
     def _pre(self, i):
         @torch.compiler.disable
         def hook(module, args):
-            self.before[i] = self.meter.now
+            if self.meter is not None:
+                self.before[i] = self.meter.now
         return hook
 
     def _post(self, i):
         @torch.compiler.disable
         def hook(module, args, output):
-            self.held[i] = self.meter.now - self.before.pop(i)
+            if self.meter is not None:
+                self.held[i] = self.meter.now - self.before.pop(i)
         return hook
 
     def remove(self):
@@ -169,6 +174,7 @@ class _Session:
         self.autocast = self.device.type == "cuda" if config.autocast is None else config.autocast
         self.snapshot = [p.detach().to("cpu", copy=True) for p in self.params]
         self.opt = optimizer_factory(self.params)
+        self.layer_bytes = _LayerBytes(self.layers)
         self.gen = torch.Generator().manual_seed(config.seed)
         self.grads_bytes = 0
 
@@ -198,7 +204,8 @@ class _Session:
         else:
             resident = self.storage_bytes([*self.params, *_state_tensors(opt)])
         meter = self.meter_for(device)
-        hooks = _LayerBytes(self.layers, meter)
+        hooks = self.layer_bytes
+        hooks.meter, hooks.held = meter, [0] * len(self.layers)
         meter.start()
         try:
             self.forward(x).backward()
@@ -209,7 +216,7 @@ class _Session:
             peak = resident + meter.peak
         finally:
             meter.stop()
-            hooks.remove()
+            hooks.meter = None
             opt.zero_grad(set_to_none=True)
         return tuple(hooks.held), peak
 
@@ -231,6 +238,7 @@ class _Session:
         return self.storage_bytes(_state_tensors(self.opt))
 
     def close(self) -> None:
+        self.layer_bytes.remove()
         with torch.no_grad():
             for p, s in zip(self.params, self.snapshot):
                 p.copy_(s)
