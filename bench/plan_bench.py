@@ -76,7 +76,9 @@ def run_side(shape: str, side: str, bs: int, seq: int, steps: int, compile_layer
 
     model = _build(shape, seq, compile_layers)
     fqns = [f for f, _ in decoder_layers(model)]
-    config = MeasureConfig(seq_len=seq, batches=(bs,), choices=choices, timed_steps=steps, warmup_steps=2)
+    # Compiled: the first step compiles, the second settles the allocator.
+    config = MeasureConfig(seq_len=seq, batches=(bs,), choices=choices, timed_steps=steps,
+                           warmup_steps=2 if compile_layers else 1)
     _compile(model, compile_layers)  # the plan's hooks and checkpointing are guarded on: they recompile
     t0 = time.perf_counter()
     if side == "measure":
@@ -190,12 +192,12 @@ def _table(rows: list[dict]) -> list[str]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=list(SHAPES), nargs="+", default=["7b", "1b"])
-    ap.add_argument("--tiny", action="store_true", help="CPU-sized: tiny shape, micro-batch 4 x 64, eager, 2 steps")
+    ap.add_argument("--tiny", action="store_true", help="CPU-sized: tiny shape, micro-batch 4 x 64, eager")
     ap.add_argument("--side", choices=SIDES, help="run this one side here and print its JSON (what each child runs)")
     ap.add_argument("--plan-file", help="with --side plan: the plan to run")
     ap.add_argument("--bs", type=int, default=8)
     ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per side (median)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per side, median (default 5; --tiny 2)")
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.9, 0.6, 0.4], help="fractions of BF16's peak")
     ap.add_argument("--choices", nargs="+", default=["keep", "fp8", "recompute"])
     ap.add_argument("--no-compile", action="store_true", help="eager layers")
@@ -203,9 +205,10 @@ def main():
     ap.add_argument("--log-dir", default=None, help="write each side's full output here")
     args = ap.parse_args()
     if args.tiny:
-        args.shape, args.bs, args.seq, args.steps, args.no_compile = ["tiny"], 4, 64, 2, True
+        args.shape, args.bs, args.seq, args.no_compile = ["tiny"], 4, 64, True
     elif not torch.cuda.is_available() and not args.side:
         raise SystemExit("needs a CUDA GPU (or --tiny)")
+    args.steps = args.steps or (2 if args.tiny else 5)
     if not torch.cuda.is_available():
         torch.set_num_threads(1)  # tiny ops: threads only contend
     if args.side:

@@ -27,18 +27,15 @@ def test_train_py_memory_budget_plans_and_trains_two_steps():
     assert "blocks.0:" in out and "step 2/2" in out and "eval loss" in out
 
 
-def test_train_py_plan_file(tmp_path):
+def test_plan_file_loaded_checked_against_the_model(tmp_path, capsys):
     path = tmp_path / "plan.json"
-    Plan((("blocks.0", "recompute"), ("blocks.1", "fp8")), 8, 64).save(str(path))
-    out = run_in_repo([*_BASE, "--max-steps", "1", "--plan", str(path)], 300).stdout
-    assert "blocks.0: recompute" in out and "blocks.1: fp8" in out and "step 1/1" in out
-
-
-def test_plan_file_for_another_model_refused(tmp_path):
-    path = tmp_path / "plan.json"
-    Plan((("layers.0", "keep"),), 8, 64).save(str(path))
+    plan = Plan((("blocks.0", "recompute"), ("blocks.1", "fp8")), 4, 64)
+    plan.save(str(path))
     cfg = parse_config(["--fsdp", "--config", "configs/tiny.yaml", "--plan", str(path)])
     model = Llama(model_config("tiny"))
+    assert plan_for_run(cfg, model, read_ds_settings(cfg.deepspeed, 1)) == plan
+    assert "made for micro-batch 4 x 64; this run is 8 x 64" in capsys.readouterr().out
+    Plan((("layers.0", "keep"),), 8, 64).save(str(path))
     with pytest.raises(SystemExit, match=r"--plan .*plan.json.*layers.0.*blocks.0"):
         plan_for_run(cfg, model, read_ds_settings(cfg.deepspeed, 1))
     path.write_text('{"layers": {"blocks.0": "bf16"}, "micro_batch": 8, "seq_len": 64}')

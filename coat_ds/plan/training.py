@@ -15,12 +15,15 @@ __all__ = ["plan_for_run"]
 
 
 def _optimizer_factory(ds_settings):
-    from ..engines import _OPTIMIZERS, build_optimizer
+    from ..engines import build_optimizer
 
-    if ds_settings.optimizer_type in _OPTIMIZERS:
-        return lambda params: build_optimizer(ds_settings, params)
-    # A DeepSpeed-only optimizer (FusedAdam, ...): AdamW's FP32 moments are its size.
-    return lambda params: torch.optim.AdamW(params, lr=0.0)
+    def build(params):
+        try:
+            return build_optimizer(ds_settings, params)
+        except KeyError:  # a DeepSpeed-only optimizer (FusedAdam, ...): AdamW's FP32 moments are its size
+            return torch.optim.AdamW(params, lr=0.0)
+
+    return build
 
 
 def _searched(model: nn.Module, budget_gb: float, ds_settings, seq_len: int, say) -> Plan:
