@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from coat_ds.plan import CHOICES, ChoiceRun, CostModel, Measurements, Plan, load_plan, search_plan
+from coat_ds.plan import CHOICES, ChoiceRun, CostModel, MeasureConfig, Measurements, Plan, load_plan, search_plan
 
 
 def _plan() -> Plan:
@@ -113,3 +113,25 @@ def test_search_prefers_fast_choice_when_it_fits_and_none_below_fixed():
     fastest = min(("keep", "recompute"), key=lambda c: model.predict([c] * 3, 4)[1])
     assert [c for _, c in huge.layers] == [fastest] * 3 and huge.micro_batch == 4
     assert search_plan(model, model.fixed_bytes - 1, max_batch=4) is None
+
+
+@pytest.mark.parametrize("kwargs, key", [
+    ({"batches": (2, 2)}, "batches"), ({"batches": (0,)}, "batches"), ({"batches": (1, 2, 4)}, "batches"),
+    ({"choices": ("keep", "bf16")}, "choices"), ({"choices": ()}, "choices"), ({"timed_steps": 0}, "timed_steps"),
+    ({"warmup_steps": -1}, "warmup_steps"), ({"seq_len": 0}, "seq_len"), ({"autocast": "yes"}, "autocast"),
+])
+def test_measure_config_errors_name_the_field(kwargs, key):
+    with pytest.raises(ValueError, match=f"MeasureConfig.{key}"):
+        MeasureConfig(**kwargs)
+
+
+def test_search_arguments_and_measurements_round_trip():
+    m = _synthetic(1, 3)
+    assert Measurements.from_dict(json.loads(json.dumps(m.to_dict()))) == m
+    model = CostModel.from_measurements(m)
+    with pytest.raises(ValueError, match="max_batch or micro_batches"):
+        search_plan(model, 1e9)
+    with pytest.raises(ValueError, match="micro_batches"):
+        search_plan(model, 1e9, micro_batches=(0,))
+    only = search_plan(model, 1e9, micro_batches=(2,), choices=("fp8",))
+    assert only.micro_batch == 2 and only.counts()["fp8"] == 3
