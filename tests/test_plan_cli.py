@@ -23,8 +23,8 @@ def one_thread():
 def test_profile_plan_writes_plan_and_report(tmp_path, one_thread, capsys):
     out = tmp_path / "out"
     opts = parse_options(["--model", "tiny", "--seq-len", "32", "--vocab-size", "256", "--plan",
-                          "--budget-gb", "0.0035", "--measure-batches", "2", "4", "--max-batch", "4", "--throughput-steps", "1",
-                          "--out", str(out)])
+                          "--budget-gb", "0.0035", "--measure-batches", "2", "4", "--max-batch", "4",
+                          "--throughput-steps", "1", "--out", str(out)])
     result = profile(opts)
     plan = load_plan(str(out / "plan.json"))
     assert [f for f, _ in plan.layers] == ["blocks.0", "blocks.1"]
