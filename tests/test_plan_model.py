@@ -128,3 +128,33 @@ def test_predicted_peak_of_a_mixed_plan_within_5_percent():
     lo, hi = costs.predict(["fp8"] * 3, 8)[0], costs.predict(["keep"] * 3, 8)[0]
     found = search_plan(costs, (lo + hi) / 2, max_batch=8)
     assert found is not None and found.predicted_peak_bytes <= (lo + hi) / 2
+
+
+def test_apply_plan_under_compiled_layers():
+    # Dynamo's "eager" backend: traces the recomputed layer's checkpoint and breaks at the
+    # compression hooks as Inductor would, without a C++ compile (tests/test_act_compile.py
+    # covers FP8 inside Inductor graphs).
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = Llama(model_config("tiny", n_layers=2, max_seq_len=32))
+    ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(2))
+    applied = apply_plan(model, Plan((("blocks.0", "recompute"), ("blocks.1", "fp8")), 2, 32))
+    eager_loss, eager = _loss_and_grads(model, ids)
+    torch._dynamo.reset()
+    try:
+        for block in model.blocks:
+            block.compile(backend="eager")
+        applied.activations.reset_stats()
+        counters["stats"].clear()
+        loss, grads = _loss_and_grads(model, ids)
+        assert counters["stats"]["unique_graphs"] > 0
+        assert applied.activations.stats().compressed_bytes > 0  # blocks.1 compressed inside the compiled call
+    finally:
+        for block in model.blocks:
+            block._compiled_call_impl = None
+        torch._dynamo.reset()
+        applied.remove()
+    assert applied.activations is None and torch.equal(loss, eager_loss)
+    flat, ref = torch.cat([g.flatten() for g in grads]), torch.cat([g.flatten() for g in eager])
+    assert sqnr_db(ref, flat) > 60
