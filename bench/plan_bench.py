@@ -42,7 +42,7 @@ def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _build(shape: str, seq: int, compile_layers: bool):
+def _build(shape: str, seq: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=max(seq, 64), attn_implementation="sdpa",
@@ -74,7 +74,7 @@ def run_side(shape: str, side: str, bs: int, seq: int, steps: int, compile_layer
     """One side in this process: its result as a dict (the parent reads it as JSON)."""
     from coat_ds.plan import MeasureConfig, Plan, decoder_layers, load_plan, measure_choices, measure_plan
 
-    model = _build(shape, seq, compile_layers)
+    model = _build(shape, seq)
     fqns = [f for f, _ in decoder_layers(model)]
     # Compiled: the first step compiles, the second settles the allocator.
     config = MeasureConfig(seq_len=seq, batches=(bs,), choices=choices, timed_steps=steps,
