@@ -18,7 +18,8 @@ from .report import write_json, write_markdown
 
 __all__ = ["profile_plan", "plan_tables"]
 
-_UNIFORM = (("keep", "BF16 activations (every layer kept)"), ("recompute", "BF16 + full activation checkpointing"),
+# The activations are BF16 under autocast (CUDA), FP32 on a CPU.
+_UNIFORM = (("keep", "every layer kept (BF16 baseline)"), ("recompute", "full activation checkpointing"),
             ("fp8", "coat_ds compress-all (every layer FP8)"), ("fp8_linear", "coat_ds FP8 linears + compress-all"))
 
 
