@@ -32,11 +32,13 @@ import yaml
 from coat_ds import compress_activations, convert_to_fp8_linear
 from coat_ds.checkpoint import check_new_checkpoints
 from coat_ds.data import DataConfig, TokenData, batch_seed, load_data
-from coat_ds.engines import shutdown_distributed
+from coat_ds.engines import read_ds_settings, shutdown_distributed
 from coat_ds.metrics import MetricsLog
 from coat_ds.model import Llama, model_config
 from coat_ds.run_config import TrainConfig, checkpoint_plan, parse_config
 from coat_ds.optim import nonfinite_groups
+from coat_ds.plan import apply_plan
+from coat_ds.plan.training import plan_for_run
 
 
 def will_save(cfg: TrainConfig, step: int) -> bool:
@@ -225,6 +227,12 @@ def train(cfg: TrainConfig) -> None:
     if cfg.fp8_linear:
         convert_to_fp8_linear(model)  # before the hooks and the engine: they see the converted modules
     activations = compress_activations(model) if cfg.compress_activations else None
+    if cfg.plan or cfg.memory_budget_gb:
+        # Per block: keep, FP8-compress, FP8 linears or recompute; a budget is planned here, on rank 0.
+        plan = plan_for_run(cfg, model, read_ds_settings(cfg.deepspeed, world, engine=cfg.engine),
+                            say=lambda s: say(s, flush=True))
+        say(plan.summary() + "\n" + "\n".join(f"  {fqn}: {c}" for fqn, c in plan.layers), flush=True)
+        activations = apply_plan(model, plan).activations
     if cfg.compile:
         # Block by block, in place and before the engine wraps them (as torchtitan does):
         # the engines' hooks stay outside the graphs, and one graph serves every block.

@@ -5,6 +5,7 @@ from .integrations import fsdp
 from .integrations.fsdp import FsdpConfig, setup_fsdp
 from .linear import Fp8Linear, convert_to_fp8_linear
 from .optim import CoatAdamW
+from .plan import ApplyConfig, Plan, apply_plan, load_plan
 
 
 def deepspeed_initialize(*args, **kwargs):
@@ -39,5 +40,5 @@ __all__ = ["CoatAdamW", "OptimStateConfig", "AdamWHyperparams",
            "compress_activations", "ActivationConfig", "ActivationStats", "activation_stats",
            "convert_to_fp8_linear", "Fp8Linear", "Fp8LinearConfig",
            "fsdp", "FsdpConfig", "setup_fsdp", "deepspeed_initialize",
-           "register_deepspeed"]
+           "register_deepspeed", "Plan", "load_plan", "apply_plan", "ApplyConfig"]
 __version__ = "0.1.0"

@@ -60,6 +60,8 @@ class TrainConfig:
     compress_activations: bool = False  # store saved activations in FP8 (coat_ds.compress_activations)
     compile: bool = False  # torch.compile each decoder block (FP8 activations then compiled into its graphs)
     fp8_linear: bool = False  # FP8 GEMMs in the blocks' linear layers (coat_ds.convert_to_fp8_linear; head kept)
+    plan: str = ""  # planner's JSON: per block keep / fp8 / fp8_linear / recompute (coat_ds.apply_plan; "": none)
+    memory_budget_gb: float = 0.0  # search a plan at start that fits this many GB per rank (0: none)
 
     def __post_init__(self):
         choice("preset", self.preset, tuple(PRESETS))
@@ -84,6 +86,13 @@ class TrainConfig:
         boolean("compress_activations", self.compress_activations)
         boolean("compile", self.compile)
         boolean("fp8_linear", self.fp8_linear)
+        text("plan", self.plan)
+        number("memory_budget_gb", self.memory_budget_gb, lo=0.0)
+        if self.plan and self.memory_budget_gb:
+            raise ConfigError("memory_budget_gb", self.memory_budget_gb, f"0 when a plan file is given ({self.plan})")
+        if (self.plan or self.memory_budget_gb) and (self.compress_activations or self.fp8_linear):
+            key = "compress_activations" if self.compress_activations else "fp8_linear"
+            raise ConfigError(key, True, "off with a plan (plan / memory_budget_gb): the plan chooses it per block")
 
 
 _CHOICES = {"preset": tuple(PRESETS), "bin_dtype": _BIN_DTYPES, "engine": ENGINE_NAMES, "fsdp_mode": _FSDP_MODES}

@@ -33,6 +33,10 @@ class ProfileOptions:
     side: str = "both"  # "both", or measure only "baseline" / "coat" and write DIR/side.json (the parent run's part)
     isolate: bool = True  # both sides: each in processes of its own, started here (no launcher needed)
     nproc: int = 1  # isolated runs: ranks per side, started through torchrun (needs --engine deepspeed or fsdp)
+    plan: bool = False  # plan per decoder layer within the budget instead (one process, --engine none): DIR/plan.json
+    choices: tuple[str, ...] = ("keep", "fp8", "recompute")  # --plan: the choices measured and searched
+    vocab_size: int | None = None  # --plan: tokens in the vocabulary; None: 32000 (Llama's)
+    compile: bool = False  # --plan: torch.compile each decoder block before measuring
 
     def __post_init__(self):
         if self.engine not in ENGINES:
@@ -58,6 +62,17 @@ class ProfileOptions:
             raise ValueError(f"--nproc {self.nproc} needs --engine deepspeed or fsdp (engine 'none' is one process)")
         if self.max_batch < 1 or self.throughput_steps < 0:
             raise ValueError("--max-batch must be >= 1 and --throughput-steps >= 0")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError(f"--vocab-size must be >= 1, got {self.vocab_size!r}")
+        from ..plan import CHOICES
+
+        bad = [c for c in self.choices if c not in CHOICES]
+        if bad or not self.choices:
+            raise ValueError(f"--choices: got {list(self.choices)!r}; allowed: one or more of {', '.join(CHOICES)}")
+        if self.plan and (self.engine != "none" or self.nproc != 1):
+            raise ValueError("--plan runs in one process: give --engine none (the default) and no --nproc")
+        if not self.plan and (self.compile or self.vocab_size is not None):
+            raise ValueError("--compile and --vocab-size are for --plan runs")
 
 
 def parse_options(argv: list[str] | None = None) -> ProfileOptions:
@@ -84,6 +99,13 @@ def parse_options(argv: list[str] | None = None) -> ProfileOptions:
                    help="measure both sides in this process, one after the other (the first side's leftovers "
                         "are then charged to the second)")
     p.add_argument("--nproc", type=int, default=1, help="ranks per side, started here through torchrun")
+    p.add_argument("--plan", action="store_true",
+                   help="measure keep / FP8 / recompute per decoder layer, search the plan with the most tokens/s "
+                        "within --budget-gb, write DIR/plan.json and a report (one process)")
+    p.add_argument("--choices", nargs="+", default=list(ProfileOptions.choices),
+                   help="--plan: choices measured and searched (keep fp8 fp8_linear recompute)")
+    p.add_argument("--vocab-size", type=int, default=None, help="--plan: vocabulary size (default 32000)")
+    p.add_argument("--compile", action="store_true", help="--plan: torch.compile each decoder block")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     a = p.parse_args(argv)
     if a.budget_gb is None and not torch.cuda.is_available():
@@ -94,7 +116,8 @@ def parse_options(argv: list[str] | None = None) -> ProfileOptions:
                               budget_gb=a.budget_gb, seq_len=a.seq_len, out=a.out,
                               measure_batches=tuple(a.measure_batches), max_batch=a.max_batch,
                               throughput_steps=a.throughput_steps, seed=a.seed, side=a.side,
-                              isolate=not a.in_process, nproc=a.nproc)
+                              isolate=not a.in_process, nproc=a.nproc, plan=a.plan, choices=tuple(a.choices),
+                              vocab_size=a.vocab_size, compile=a.compile)
     except ValueError as e:  # a bad value is a usage error: argparse's message and exit status 2
         p.error(str(e))
 

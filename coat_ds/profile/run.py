@@ -24,7 +24,7 @@ __all__ = ["profile", "resolve_model", "combine"]
 VOCAB = 256  # byte-level tokens, as train.py's default data
 
 
-def resolve_model(spec: str, seq_len: int | None):
+def resolve_model(spec: str, seq_len: int | None, vocab_size: int = 256):
     """(name, ModelConfig, seq_len) from a preset name or a train.py-style YAML."""
     name, yaml_seq = spec, None
     if spec not in PRESETS and os.path.isfile(spec):
@@ -38,7 +38,7 @@ def resolve_model(spec: str, seq_len: int | None):
     elif spec not in PRESETS:
         raise ValueError(f"--model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a YAML file")
     seq = seq_len or yaml_seq or PRESETS[name]["max_seq_len"]
-    return name, model_config(name, vocab_size=VOCAB, max_seq_len=max(seq, PRESETS[name]["max_seq_len"])), seq
+    return name, model_config(name, vocab_size=vocab_size, max_seq_len=max(seq, PRESETS[name]["max_seq_len"])), seq
 
 
 def _free_port() -> int:
@@ -107,9 +107,12 @@ def profile(opts: ProfileOptions) -> dict:
     `_profile_isolated`). Otherwise the sides asked for run here, one after the other."""
     # Bad options fail here, before any process or engine starts.
     sides = _load_sides(opts)
-    name, mcfg, seq_len = resolve_model(opts.model, opts.seq_len)
+    vocab = opts.vocab_size or (32000 if opts.plan else VOCAB)
+    name, mcfg, seq_len = resolve_model(opts.model, opts.seq_len, vocab)
     if opts.budget_gb is None and not torch.cuda.is_available():
         raise ValueError("on a CPU the search runs against a budget: give --budget-gb")
+    if opts.plan:
+        return _profile_plan(opts, name, mcfg, seq_len)
     if opts.side == "both" and opts.isolate and not _launched():
         return _profile_isolated(opts)
     if not torch.cuda.is_available():
@@ -207,6 +210,17 @@ def _measure_and_search(opts: ProfileOptions, side, mcfg, seq_len: int, device: 
     say(f"[{key}] max micro-batch {best}")
     return {"config": side.config_path, "ranks": _gather(m.to_dict()), "max_micro_batch": best,
             "trials": [t.__dict__ for t in trials], "tokens_per_s": tps, "resident_at_start_bytes": resident_at_start}
+
+
+def _profile_plan(opts: ProfileOptions, name: str, mcfg, seq_len: int) -> dict:
+    device = _device()
+    budget = opts.budget_gb * 1e9 if opts.budget_gb is not None else \
+        float(torch.cuda.get_device_properties(device).total_memory)
+    print(f"model {name}: {mcfg.num_params() / 1e6:.1f}M params, vocab {mcfg.vocab_size}, seq {seq_len}, on "
+          f"{device.type}; budget {budget / 1e9:.3f} GB; planning per decoder layer", flush=True)
+    from .planned import profile_plan
+
+    return profile_plan(opts, mcfg, seq_len, device, budget, lambda s: print(s, flush=True))
 
 
 def combine(meta: dict, sides: dict) -> dict:

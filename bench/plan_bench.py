@@ -1,0 +1,232 @@
+"""The memory planner end to end: HF LlamaForCausalLM from a config (nothing downloaded), FP32
+master weights + BF16 autocast, every decoder layer compiled, micro-batch 8 x 2048. Sides,
+each in a fresh process (honest peaks): BF16 (torch AdamW), BF16 + full checkpointing,
+coat_ds compress-all (CoatAdamW + every layer FP8), the planner's measurement run, and the
+plan found at 90/60/40% of BF16's measured peak (CoatAdamW + apply_plan). Prints tokens/s,
+predicted vs measured peak and step time, and a table last.
+
+    python bench/plan_bench.py                      # both shapes (7b layer shapes, ~1b)
+    python bench/plan_bench.py --shape 7b --budgets 0.6
+    python bench/plan_bench.py --tiny --in-process  # CPU, tiny sizes (what CI runs)
+
+The planner measures at the benchmark's micro-batch only and plans for it (its costs are
+exact there); a plan identical to one already run is not run again. Predictions are shown
+for the rows trained with CoatAdamW (compress-all and the plans), the optimizer the
+measurement run used; the BF16 rows train with torch AdamW's FP32 moments."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+SHAPES = {
+    "7b": dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
+               num_hidden_layers=6, vocab_size=32000),
+    "1b": dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=16, num_key_value_heads=16,
+               num_hidden_layers=16, vocab_size=32000),
+    # CPU tests: a small vocabulary, so that the layers, not the logits, make the peak.
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
+                 num_hidden_layers=3, vocab_size=512),
+}
+SIDES = ("bf16", "bf16_ckpt", "coat", "measure", "plan")
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _build(shape: str, seq: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=max(seq, 64), attn_implementation="sdpa",
+                      use_cache=False)
+    torch.manual_seed(0)
+    with torch.device(_device()):
+        return LlamaForCausalLM(cfg)
+
+
+def _compile(model, compile_layers: bool) -> None:
+    if compile_layers:
+        torch._dynamo.config.automatic_dynamic_shapes = False
+        torch._dynamo.config.recompile_limit = 64
+        for layer in model.model.layers:
+            layer.compile()
+
+
+def _optimizer(side: str):
+    import coat_ds
+
+    if side in ("bf16", "bf16_ckpt"):
+        fused = torch.cuda.is_available()
+        return lambda params: torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=fused)
+    return lambda params: coat_ds.CoatAdamW(params, lr=1e-4, weight_decay=0.0)
+
+
+def run_side(shape: str, side: str, bs: int, seq: int, steps: int, compile_layers: bool,
+             plan_file: str | None = None, choices: tuple[str, ...] = ("keep", "fp8", "recompute")) -> dict:
+    """One side in this process: its result as a dict (the parent reads it as JSON)."""
+    from coat_ds.plan import MeasureConfig, Plan, decoder_layers, load_plan, measure_choices, measure_plan
+
+    model = _build(shape, seq)
+    fqns = [f for f, _ in decoder_layers(model)]
+    # Compiled: the first step compiles, the second settles the allocator.
+    config = MeasureConfig(seq_len=seq, batches=(bs,), choices=choices, timed_steps=steps,
+                           warmup_steps=2 if compile_layers else 1)
+    _compile(model, compile_layers)  # the plan's hooks and checkpointing are guarded on: they recompile
+    t0 = time.perf_counter()
+    if side == "measure":
+        m = measure_choices(model, _optimizer(side), config=config, say=lambda s: print(s, flush=True))
+        return {"shape": shape, "side": side, "bs": bs, "seq": seq, "measurements": m.to_dict(),
+                "wall_s": time.perf_counter() - t0}
+    if side == "plan":
+        plan = load_plan(plan_file)
+    else:
+        plan = Plan.uniform(fqns, {"bf16": "keep", "bf16_ckpt": "recompute", "coat": "fp8"}[side], bs, seq)
+    got = measure_plan(model, plan, _optimizer(side), config=config)
+    return {"shape": shape, "side": side, "bs": bs, "seq": seq, "ms": got.step_s * 1e3, "peak_gb": got.peak_bytes / 1e9,
+            "plan": plan.to_dict(), "wall_s": time.perf_counter() - t0}
+
+
+def _run(args, shape: str, side: str, plan_file: str | None = None) -> dict:
+    """`side` in a process of its own (or here with --in-process); failures become a row."""
+    if args.in_process:
+        return run_side(shape, side, args.bs, args.seq, args.steps, not args.no_compile, plan_file, tuple(args.choices))
+    cmd = [sys.executable, __file__, "--shape", shape, "--side", side, "--bs", str(args.bs), "--seq", str(args.seq),
+           "--steps", str(args.steps), "--choices", *args.choices] + (["--no-compile"] if args.no_compile else [])
+    if plan_file:
+        cmd += ["--plan-file", plan_file]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if args.log_dir:
+        os.makedirs(args.log_dir, exist_ok=True)
+        name = side if not plan_file else os.path.basename(plan_file)[:-5]
+        with open(os.path.join(args.log_dir, f"{shape}_{name}.log"), "w") as f:
+            f.write(proc.stdout + proc.stderr)
+    found = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if found:
+        return json.loads(found[-1][7:])
+    err = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"shape": shape, "side": side, "bs": args.bs, "seq": args.seq, "error": err}
+
+
+def bench_shape(args, shape: str, workdir: str) -> list[dict]:
+    from coat_ds.plan import CostModel, Measurements, search_plan
+
+    rows = []
+    for side in ("bf16", "bf16_ckpt", "coat"):
+        rows.append(_run(args, shape, side))
+        print(json.dumps(rows[-1]), flush=True)
+    base = rows[0]
+    measured = _run(args, shape, "measure")
+    if "error" in measured or "error" in base:
+        rows.append({**measured, "error": measured.get("error", "no BF16 peak to take budgets from")})
+        return rows
+    costs = CostModel.from_measurements(Measurements.from_dict(measured["measurements"]), (args.bs, args.bs))
+    for r in rows:
+        if r["side"] == "coat" and "ms" in r:  # same optimizer as the measurement run: comparable
+            peak, step = costs.predict(list(r["plan"]["layers"].values()), args.bs)
+            r["predicted_peak_gb"], r["predicted_ms"] = peak / 1e9, step * 1e3
+    done: dict[tuple, dict] = {}
+    for frac in args.budgets:
+        budget = frac * base["peak_gb"] * 1e9
+        plan = search_plan(costs, budget, micro_batches=(args.bs,))
+        if plan is None:
+            rows.append({"shape": shape, "side": f"plan@{frac:.0%}", "bs": args.bs, "seq": args.seq,
+                         "budget_gb": budget / 1e9, "error": "no plan fits the budget"})
+            continue
+        key = plan.layers
+        if key not in done:
+            path = os.path.join(workdir, f"{shape}_plan{int(frac * 100)}.json")
+            plan.save(path)
+            done[key] = _run(args, shape, "plan", path)
+        row = {**done[key], "side": f"plan@{frac:.0%}", "budget_gb": budget / 1e9,
+               "predicted_peak_gb": plan.predicted_peak_bytes / 1e9, "predicted_ms": plan.predicted_step_s * 1e3,
+               "counts": plan.counts()}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def _verdicts(rows: list[dict]) -> list[str]:
+    """Per plan row: the best of {BF16, full checkpointing, compress-all} within its budget."""
+    out = []
+    for r in rows:
+        if not r["side"].startswith("plan@") or "ms" not in r:
+            continue
+        sides = [s for s in rows if s["shape"] == r["shape"] and s["side"] in ("bf16", "bf16_ckpt", "coat")
+                 and "ms" in s and s["peak_gb"] <= r["budget_gb"]]
+        best = min(sides, key=lambda s: s["ms"], default=None)
+        fits = "fits" if r["peak_gb"] <= r["budget_gb"] else "OVER budget"
+        vs = f"{best['ms'] / r['ms']:.2f}x {best['side']}'s (the fastest other side within it)" if best \
+            else "no other side fits"
+        out.append(f"{r['shape']} {r['side']} ({r['budget_gb']:.4g} GB): measured {fits}; tokens/s {vs}")
+    return out
+
+
+def _table(rows: list[dict]) -> list[str]:
+    lines = ["| shape | side | micro-batch | ms/step | tokens/s | peak GB | predicted peak GB (err) "
+             "| predicted ms (err) | budget GB | layers |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "ms" not in r:
+            lines.append(f"| {r['shape']} | {r['side']} | {r['bs']} | failed: {r.get('error', '')[:80]} | | | | | | |")
+            continue
+        tps = r["bs"] * r["seq"] / r["ms"] * 1e3
+        pp = r.get("predicted_peak_gb")
+        pm = r.get("predicted_ms")
+        pp_s = f"{pp:.4g} ({100 * (pp / r['peak_gb'] - 1):+.1f}%)" if pp else "-"
+        pm_s = f"{pm:.1f} ({100 * (pm / r['ms'] - 1):+.1f}%)" if pm else "-"
+        counts = r.get("counts") or {}
+        mix = ", ".join(f"{n} {c}" for c, n in counts.items() if n) or "-"
+        budget = f"{r['budget_gb']:.4g}" if "budget_gb" in r else "-"
+        lines.append(f"| {r['shape']} | {r['side']} | {r['bs']} | {r['ms']:.1f} | {tps:,.0f} | {r['peak_gb']:.4g} | "
+                     f"{pp_s} | {pm_s} | {budget} | {mix} |")
+    return lines
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=list(SHAPES), nargs="+", default=["7b", "1b"])
+    ap.add_argument("--tiny", action="store_true", help="CPU-sized: tiny shape, micro-batch 4 x 64, eager")
+    ap.add_argument("--side", choices=SIDES, help="run this one side here and print its JSON (what each child runs)")
+    ap.add_argument("--plan-file", help="with --side plan: the plan to run")
+    ap.add_argument("--bs", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per side, median (default 5; --tiny 2)")
+    ap.add_argument("--budgets", type=float, nargs="+", default=[0.9, 0.6, 0.4], help="fractions of BF16's peak")
+    ap.add_argument("--choices", nargs="+", default=["keep", "fp8", "recompute"])
+    ap.add_argument("--no-compile", action="store_true", help="eager layers")
+    ap.add_argument("--in-process", action="store_true", help="every side in this process (CPU tests)")
+    ap.add_argument("--log-dir", default=None, help="write each side's full output here")
+    args = ap.parse_args()
+    if args.tiny:
+        args.shape, args.bs, args.seq, args.no_compile = ["tiny"], 4, 64, True
+    elif not torch.cuda.is_available() and not args.side:
+        raise SystemExit("needs a CUDA GPU (or --tiny)")
+    args.steps = args.steps or (2 if args.tiny else 5)
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)  # tiny ops: threads only contend
+    if args.side:
+        res = run_side(args.shape[0], args.side, args.bs, args.seq, args.steps, not args.no_compile, args.plan_file,
+                       tuple(args.choices))
+        print("RESULT " + json.dumps(res), flush=True)
+        return
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    print(f"# {name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
+    t0, rows = time.perf_counter(), []
+    with tempfile.TemporaryDirectory() as workdir:
+        for shape in args.shape:
+            rows += bench_shape(args, shape, workdir)
+    print("\n".join(_verdicts(rows)))
+    print(f"wall {time.perf_counter() - t0:.0f} s")
+    print("\n".join(_table(rows)))
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        main()

@@ -1,0 +1,297 @@
+"""Measured costs of each choice: short training steps with every decoder layer on one choice,
+at two micro-batches.
+
+Per layer, the bytes a layer's forward leaves allocated (what backward will read, plus its
+output) come from the allocator: `torch.cuda.memory_allocated` before and after the layer on
+CUDA, the storage tracker of the memory profiler (coat_ds.profile.meters) on CPU, read in
+forward hooks on the layer. The step's peak (CUDA: `max_memory_allocated` over forward,
+backward and optimizer step; CPU: resident bytes + the tracker's peak over forward and
+backward) and its time (median of timed steps, perf_counter after a device synchronize) are
+read for the whole model. The fixed part (parameters, gradients, optimizer state) is read
+from the tensors themselves.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .apply import ApplyConfig, apply_plan
+from .layers import decoder_layers, training_loss, vocab_size_of
+from .plan import CHOICES, Plan
+
+__all__ = ["MeasureConfig", "ChoiceRun", "Measurements", "measure_choices", "measure_plan"]
+
+
+@dataclass(frozen=True)
+class MeasureConfig:
+    """How the planner measures a model."""
+
+    seq_len: int = 2048  # tokens per sequence
+    batches: tuple[int, ...] = (1, 2)  # micro-batches each choice is measured at: two (a line), or one (proportional)
+    choices: tuple[str, ...] = ("keep", "fp8", "recompute")  # measured and searched; the first is the time base
+    timed_steps: int = 3  # timed steps per choice and micro-batch (their median is the step time)
+    warmup_steps: int = 1  # untimed steps before each measurement (compilation, allocator, optimizer state)
+    autocast: bool | None = None  # BF16 autocast around forward; None: on CUDA only
+    seed: int = 0  # token ids of the measured steps
+
+    def __post_init__(self):
+        if not isinstance(self.seq_len, int) or self.seq_len < 1:
+            raise ValueError(f"MeasureConfig.seq_len: got {self.seq_len!r}; allowed: an integer >= 1")
+        b = tuple(self.batches)
+        if len(b) not in (1, 2) or not all(isinstance(x, int) and x >= 1 for x in b) or (len(b) == 2 and b[0] >= b[1]):
+            raise ValueError(f"MeasureConfig.batches: got {self.batches!r}; allowed: one integer >= 1, or two "
+                             "with 1 <= b1 < b2")
+        object.__setattr__(self, "batches", b)
+        choices = tuple(self.choices)
+        bad = [c for c in choices if c not in CHOICES]
+        if bad or not choices or len(set(choices)) != len(choices):
+            raise ValueError(f"MeasureConfig.choices: got {self.choices!r}; allowed: distinct names of {CHOICES}")
+        object.__setattr__(self, "choices", choices)
+        if not isinstance(self.timed_steps, int) or self.timed_steps < 1:
+            raise ValueError(f"MeasureConfig.timed_steps: got {self.timed_steps!r}; allowed: an integer >= 1")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"MeasureConfig.warmup_steps: got {self.warmup_steps!r}; allowed: an integer >= 0")
+        if self.autocast not in (None, True, False):
+            raise ValueError(f"MeasureConfig.autocast: got {self.autocast!r}; allowed: true, false or null")
+
+
+@dataclass(frozen=True)
+class ChoiceRun:
+    """One measured configuration: every layer on `choice`, at `batch` sequences."""
+
+    choice: str  # the choice every layer had
+    batch: int  # micro-batch (sequences)
+    layer_bytes: tuple[int, ...]  # per layer, model order: bytes its forward left allocated
+    peak_bytes: int  # the step's peak, resident bytes included
+    step_s: float  # median time of one training step (forward, backward, optimizer step)
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """Everything the search needs, as measured."""
+
+    layers: tuple[str, ...]  # decoder layer fqns, model order
+    seq_len: int  # tokens per sequence of every measured step
+    device: str  # where it was measured
+    meter: str  # what the byte figures come from
+    params_bytes: int  # parameters (distinct storages)
+    grads_bytes: int  # gradients after backward
+    optimizer_state_bytes: int  # optimizer state but step counters, after steps
+    runs: tuple[ChoiceRun, ...]  # one per measured choice and micro-batch
+    layer_grad_bytes: tuple[int, ...]  # per layer: bytes of its parameters' gradients (allocated as backward passes it)
+
+    @property
+    def fixed_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.optimizer_state_bytes
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(r.choice for r in self.runs))
+
+    def run(self, choice: str, batch: int) -> ChoiceRun:
+        for r in self.runs:
+            if r.choice == choice and r.batch == batch:
+                return r
+        raise KeyError(f"no measurement of {choice!r} at micro-batch {batch}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Measurements":
+        runs = tuple(ChoiceRun(**{**r, "layer_bytes": tuple(r["layer_bytes"])}) for r in d["runs"])
+        return cls(**{**d, "layers": tuple(d["layers"]), "runs": runs,
+                      "layer_grad_bytes": tuple(d["layer_grad_bytes"])})
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _LayerBytes:
+    """Forward hooks reading the meter around each layer while a meter is set.
+
+    On for the whole session, not only the measured step: compiled layers guard on their
+    hooks, so hooks added and removed around one step would recompile them twice per run."""
+
+    def __init__(self, layers: list[nn.Module]):
+        self.meter, self.before, self.held = None, {}, [0] * len(layers)
+        self.handles = []
+        for i, layer in enumerate(layers):
+            self.handles.append(layer.register_forward_pre_hook(self._pre(i)))
+            self.handles.append(layer.register_forward_hook(self._post(i)))
+
+    def _pre(self, i):
+        @torch.compiler.disable
+        def hook(module, args):
+            if self.meter is not None:
+                self.before[i] = self.meter.now
+        return hook
+
+    def _post(self, i):
+        @torch.compiler.disable
+        def hook(module, args, output):
+            if self.meter is not None:
+                self.held[i] = self.meter.now - self.before.pop(i)
+        return hook
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def _state_tensors(opt: torch.optim.Optimizer):
+    return [t for s in opt.state.values() for k, t in s.items() if torch.is_tensor(t) and k != "step"]
+
+
+class _Session:
+    """Training steps of one model and a throwaway optimizer, measured; on close the
+    parameters are put back as they were and the optimizer is dropped."""
+
+    def __init__(self, model: nn.Module, optimizer_factory: Callable, config: MeasureConfig, loss_fn, vocab_size):
+        # Here, not at the top: the profiler package loads the DeepSpeed integration, which
+        # `import coat_ds` must not.
+        from ..profile.engines import unique_storage_bytes
+        from ..profile.meters import meter_for
+
+        self.storage_bytes, self.meter_for = unique_storage_bytes, meter_for
+        self.model, self.config = model, config
+        self.loss_fn = loss_fn or training_loss
+        self.vocab = vocab_size or vocab_size_of(model)
+        named = decoder_layers(model)
+        self.fqns, self.layers = [f for f, _ in named], [m for _, m in named]
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.device = self.params[0].device
+        self.autocast = self.device.type == "cuda" if config.autocast is None else config.autocast
+        self.snapshot = [p.detach().to("cpu", copy=True) for p in self.params]
+        self.opt = optimizer_factory(self.params)
+        self.layer_bytes = _LayerBytes(self.layers)
+        self.gen = torch.Generator().manual_seed(config.seed)
+        self.grads_bytes = 0
+
+    def ids(self, batch: int) -> torch.Tensor:
+        return torch.randint(0, self.vocab, (batch, self.config.seq_len + 1), generator=self.gen).to(self.device)
+
+    def forward(self, batch_ids: torch.Tensor) -> torch.Tensor:
+        ctx = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast
+               else contextlib.nullcontext())
+        with ctx:
+            return self.loss_fn(self.model, batch_ids)
+
+    def step(self, batch: int) -> None:
+        self.forward(self.ids(batch)).backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def measured_step(self, batch: int) -> tuple[tuple[int, ...], int]:
+        """(bytes each layer's forward left allocated, the step's peak with resident bytes)."""
+        opt, device = self.opt, self.device
+        opt.zero_grad(set_to_none=True)
+        gc.collect()
+        x = self.ids(batch)
+        _sync(device)
+        if device.type == "cuda":
+            resident = torch.cuda.memory_allocated(device)
+        else:
+            resident = self.storage_bytes([*self.params, *_state_tensors(opt)])
+        meter = self.meter_for(device)
+        hooks = self.layer_bytes
+        hooks.meter, hooks.held = meter, [0] * len(self.layers)
+        meter.start()
+        try:
+            self.forward(x).backward()
+            self.grads_bytes = self.storage_bytes(p.grad for p in self.params)
+            if device.type != "cuda":
+                meter.stop()  # the tracker would trace every op of a pure-torch optimizer step (slow)
+            opt.step()
+            peak = resident + meter.peak
+        finally:
+            meter.stop()
+            hooks.meter = None
+            opt.zero_grad(set_to_none=True)
+        return tuple(hooks.held), peak
+
+    def run(self, choice: str, batch: int) -> ChoiceRun:
+        """Warm-up steps, one measured step, timed steps (median), at `batch`."""
+        for _ in range(self.config.warmup_steps):
+            self.step(batch)
+        held, peak = self.measured_step(batch)
+        times = []
+        for _ in range(self.config.timed_steps):
+            _sync(self.device)
+            t0 = time.perf_counter()
+            self.step(batch)
+            _sync(self.device)
+            times.append(time.perf_counter() - t0)
+        return ChoiceRun(choice, batch, held, peak, statistics.median(times))
+
+    def state_bytes(self) -> int:
+        return self.storage_bytes(_state_tensors(self.opt))
+
+    def close(self) -> None:
+        self.layer_bytes.remove()
+        with torch.no_grad():
+            for p, s in zip(self.params, self.snapshot):
+                p.copy_(s)
+        self.opt = None
+        gc.collect()
+
+
+def measure_choices(model: nn.Module, optimizer_factory: Callable, *, config: MeasureConfig | None = None,
+                    apply_config: ApplyConfig | None = None, loss_fn: Callable | None = None,
+                    vocab_size: int | None = None, say: Callable[[str], None] = lambda s: None) -> Measurements:
+    """Measure `model` with every decoder layer on each of `config.choices` in turn.
+
+    `optimizer_factory(params)` builds the optimizer the plan will train with (its state is
+    part of the fixed bytes); it is dropped afterwards and the parameters are put back as
+    they were. `loss_fn(model, ids)` gives the loss of token ids (batch, seq_len + 1);
+    default: `training_loss`. The model's own compilation or wrapping stays as it is."""
+    config = config if config is not None else MeasureConfig()
+    s = _Session(model, optimizer_factory, config, loss_fn, vocab_size)
+    runs = []
+    try:
+        for choice in config.choices:
+            applied = apply_plan(model, Plan.uniform(s.fqns, choice, config.batches[-1], config.seq_len),
+                                 config=apply_config)
+            try:
+                for b in config.batches:
+                    runs.append(s.run(choice, b))
+                    r = runs[-1]
+                    say(f"[plan] {choice} at micro-batch {b}: layers hold {sum(r.layer_bytes) / 1e9:.4f} GB, "
+                        f"peak {r.peak_bytes / 1e9:.4f} GB, step {r.step_s * 1e3:.1f} ms")
+            finally:
+                applied.remove()
+        state_bytes = s.state_bytes()
+    finally:
+        s.close()
+    grad_bytes = tuple(sum(p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad)
+                       for layer in s.layers)
+    return Measurements(tuple(s.fqns), config.seq_len, str(s.device), s.meter_for(s.device).kind,
+                        s.storage_bytes(s.params), s.grads_bytes, state_bytes, tuple(runs), grad_bytes)
+
+
+def measure_plan(model: nn.Module, plan: Plan, optimizer_factory: Callable, *, config: MeasureConfig | None = None,
+                 apply_config: ApplyConfig | None = None, loss_fn: Callable | None = None,
+                 vocab_size: int | None = None) -> ChoiceRun:
+    """The plan applied and run at its micro-batch and sequence length, measured as
+    `measure_choices` measures each choice (`choice` of the result: "plan"); the model is
+    left as it was."""
+    config = dataclasses.replace(config or MeasureConfig(), seq_len=plan.seq_len)
+    s = _Session(model, optimizer_factory, config, loss_fn, vocab_size)
+    try:
+        applied = apply_plan(model, plan, config=apply_config)
+        try:
+            return s.run("plan", plan.micro_batch)
+        finally:
+            applied.remove()
+    finally:
+        s.close()

@@ -1,0 +1,137 @@
+"""The planner's plan file and search: JSON round trip and validation; the search against
+brute force over every assignment on synthetic measurements."""
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import pytest
+
+from coat_ds.plan import CHOICES, ChoiceRun, CostModel, MeasureConfig, Measurements, Plan, load_plan, search_plan
+
+
+def _plan() -> Plan:
+    return Plan((("model.layers.0", "keep"), ("model.layers.1", "fp8"), ("model.layers.2", "recompute"),
+                 ("model.layers.3", "fp8_linear")), 8, 2048, 3.5e10, 0.26, 4e10)
+
+
+def test_plan_json_round_trip(tmp_path):
+    plan = _plan()
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    back = load_plan(str(path))
+    assert back == plan
+    assert json.loads(path.read_text())["layers"]["model.layers.2"] == "recompute"
+    assert back.counts() == {"keep": 1, "fp8": 1, "fp8_linear": 1, "recompute": 1}
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"layers": {"model.layers.0": "bf16"}}, ["layers['model.layers.0']", "'bf16'", "recompute"]),
+    ({"micro_batch": 0}, ["micro_batch", "0"]),
+    ({"micro_batch": 2.0}, ["micro_batch"]),
+    ({"seq_len": True}, ["seq_len"]),
+    ({"predicted_peak_bytes": -1}, ["predicted_peak_bytes"]),
+    ({"budget_bytes": "40GB"}, ["budget_bytes", "'40GB'"]),
+    ({"layers": {}}, ["layers"]),
+    ({"layers": ["keep"]}, ["layers"]),
+    ({"microbatch": 4}, ["unknown key", "microbatch"]),
+    ({"version": 2}, ["version"]),
+])
+def test_plan_validation_names_the_bad_key(tmp_path, change, words):
+    d = {**_plan().to_dict(), **change}
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError) as e:
+        load_plan(str(path))
+    for w in [str(path), *words]:
+        assert w in str(e.value)
+
+
+def test_plan_file_errors(tmp_path):
+    with pytest.raises(ValueError, match="cannot read"):
+        load_plan(str(tmp_path / "missing.json"))
+    (tmp_path / "x.json").write_text("{")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_plan(str(tmp_path / "x.json"))
+    d = _plan().to_dict()
+    del d["micro_batch"]
+    with pytest.raises(ValueError, match="missing key 'micro_batch'"):
+        Plan.from_dict(d)
+
+
+def _synthetic(seed: int, n_layers: int, choices=CHOICES) -> Measurements:
+    """Heterogeneous layers: each choice's bytes and the step time at two batches, drawn at random."""
+    rng = random.Random(seed)
+    fqns = tuple(f"layers.{i}" for i in range(n_layers))
+    runs = []
+    per_layer = {c: [rng.randint(1, 100) for _ in fqns] for c in choices}
+    time_per = {c: rng.uniform(0.5, 2.0) for c in choices}
+    extra = {c: rng.randint(0, 60) for c in choices}
+    for c in choices:
+        for b in (1, 2):
+            held = tuple(1000 * x * b for x in per_layer[c])
+            runs.append(ChoiceRun(c, b, held, 5000 + sum(held) + 1000 * extra[c] * b, time_per[c] * b + 0.3))
+    grads = tuple(rng.randint(0, 30000) for _ in fqns)
+    return Measurements(fqns, 16, "cpu", "synthetic", 2000, 2000, 1000, tuple(runs), grads)
+
+
+def _brute_force(model: CostModel, budget: float, max_batch: int):
+    best = None
+    b = 1
+    while b <= max_batch:
+        for a in itertools.product(model.choices, repeat=len(model.layers)):
+            peak, step = model.predict(a, b)
+            if peak <= budget and step > 0:
+                tps = b * model.seq_len / step
+                if best is None or tps > best[0]:
+                    best = (tps, a, b)
+        b *= 2
+    return best
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_search_matches_brute_force(seed):
+    model = CostModel.from_measurements(_synthetic(seed, 5))
+    rng = random.Random(100 + seed)
+    for _ in range(3):
+        budget = rng.uniform(8e3, 1.2e6)
+        want = _brute_force(model, budget, 8)
+        got = search_plan(model, budget, max_batch=8)
+        if want is None:
+            assert got is None
+            continue
+        assert got is not None
+        peak, step = model.predict([c for _, c in got.layers], got.micro_batch)
+        assert peak <= budget and got.predicted_peak_bytes == pytest.approx(peak)
+        assert got.micro_batch * model.seq_len / step == pytest.approx(want[0], rel=1e-12)
+
+
+def test_search_prefers_fast_choice_when_it_fits_and_none_below_fixed():
+    model = CostModel.from_measurements(_synthetic(0, 3, ("keep", "recompute")))
+    huge = search_plan(model, 1e12, max_batch=4)
+    fastest = min(("keep", "recompute"), key=lambda c: model.predict([c] * 3, 4)[1])
+    assert [c for _, c in huge.layers] == [fastest] * 3 and huge.micro_batch == 4
+    assert search_plan(model, model.fixed_bytes - 1, max_batch=4) is None
+
+
+@pytest.mark.parametrize("kwargs, key", [
+    ({"batches": (2, 2)}, "batches"), ({"batches": (0,)}, "batches"), ({"batches": (1, 2, 4)}, "batches"),
+    ({"choices": ("keep", "bf16")}, "choices"), ({"choices": ()}, "choices"), ({"timed_steps": 0}, "timed_steps"),
+    ({"warmup_steps": -1}, "warmup_steps"), ({"seq_len": 0}, "seq_len"), ({"autocast": "yes"}, "autocast"),
+])
+def test_measure_config_errors_name_the_field(kwargs, key):
+    with pytest.raises(ValueError, match=f"MeasureConfig.{key}"):
+        MeasureConfig(**kwargs)
+
+
+def test_search_arguments_and_measurements_round_trip():
+    m = _synthetic(1, 3)
+    assert Measurements.from_dict(json.loads(json.dumps(m.to_dict()))) == m
+    model = CostModel.from_measurements(m)
+    with pytest.raises(ValueError, match="max_batch or micro_batches"):
+        search_plan(model, 1e9)
+    with pytest.raises(ValueError, match="micro_batches"):
+        search_plan(model, 1e9, micro_batches=(0,))
+    only = search_plan(model, 1e9, micro_batches=(2,), choices=("fp8",))
+    assert only.micro_batch == 2 and only.counts()["fp8"] == 3
