@@ -9,14 +9,17 @@ predicted vs measured peak and step time, and a table last.
     python bench/plan_bench.py --shape 7b --budgets 0.6
     python bench/plan_bench.py --tiny --in-process  # CPU, tiny sizes (what CI runs)
 
-The planner measures at the benchmark's micro-batch only and plans for it (its costs are
-exact there); a plan identical to one already run is not run again. Predictions are shown
+The planner measures at the benchmark's micro-batch and at half of it (each cost a line in
+the micro-batch) and plans over micro-batches 1, 2, 4, ... up to the benchmark's; a plan
+identical to one already run is not run again. The budget 'ckpt' is full checkpointing's
+measured peak (issue 18: the plan's tokens/s at that memory against checkpointing's). Predictions are shown
 for the rows trained with CoatAdamW (compress-all and the plans), the optimizer the
 measurement run used; the BF16 rows train with torch AdamW's FP32 moments."""
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -82,16 +85,25 @@ def run_side(shape: str, side: str, bs: int, seq: int, steps: int, compile_layer
     _compile(model, compile_layers)  # the plan's hooks and checkpointing are guarded on: they recompile
     t0 = time.perf_counter()
     if side == "measure":
+        # Two micro-batches make each cost a line (fixed + per sample), so that the search
+        # can also weigh smaller micro-batches; one would make every cost proportional.
+        config = dataclasses.replace(config, batches=_measured_batches(bs))
         m = measure_choices(model, _optimizer(side), config=config, say=lambda s: print(s, flush=True))
         return {"shape": shape, "side": side, "bs": bs, "seq": seq, "measurements": m.to_dict(),
                 "wall_s": time.perf_counter() - t0}
     if side == "plan":
         plan = load_plan(plan_file)
+        bs = plan.micro_batch
+        config = dataclasses.replace(config, batches=(bs,))
     else:
         plan = Plan.uniform(fqns, {"bf16": "keep", "bf16_ckpt": "recompute", "coat": "fp8"}[side], bs, seq)
     got = measure_plan(model, plan, _optimizer(side), config=config)
     return {"shape": shape, "side": side, "bs": bs, "seq": seq, "ms": got.step_s * 1e3, "peak_gb": got.peak_bytes / 1e9,
             "plan": plan.to_dict(), "wall_s": time.perf_counter() - t0}
+
+
+def _measured_batches(bs: int) -> tuple[int, int]:
+    return (max(1, bs // 2), bs) if bs > 1 else (bs, bs)
 
 
 def _run(args, shape: str, side: str, plan_file: str | None = None) -> dict:
@@ -127,25 +139,34 @@ def bench_shape(args, shape: str, workdir: str) -> list[dict]:
     if "error" in measured or "error" in base:
         rows.append({**measured, "error": measured.get("error", "no BF16 peak to take budgets from")})
         return rows
-    costs = CostModel.from_measurements(Measurements.from_dict(measured["measurements"]), (args.bs, args.bs))
+    costs = CostModel.from_measurements(Measurements.from_dict(measured["measurements"]), _measured_batches(args.bs))
     for r in rows:
         if r["side"] == "coat" and "ms" in r:  # same optimizer as the measurement run: comparable
             peak, step = costs.predict(list(r["plan"]["layers"].values()), args.bs)
             r["predicted_peak_gb"], r["predicted_ms"] = peak / 1e9, step * 1e3
     done: dict[tuple, dict] = {}
-    for frac in args.budgets:
+    ckpt = next((r for r in rows if r["side"] == "bf16_ckpt" and "peak_gb" in r), None)
+    micro_batches = tuple(2 ** k for k in range(args.bs.bit_length()) if 2 ** k <= args.bs)
+    for spec in args.budgets:
+        if spec == "ckpt":  # issue 18's second target: full checkpointing's own memory
+            if ckpt is None:
+                continue
+            frac, label = ckpt["peak_gb"] / base["peak_gb"], "plan@ckpt"
+        else:
+            frac = float(spec)
+            label = f"plan@{frac:.0%}"
         budget = frac * base["peak_gb"] * 1e9
-        plan = search_plan(costs, budget, micro_batches=(args.bs,))
+        plan = search_plan(costs, budget, micro_batches=micro_batches)
         if plan is None:
-            rows.append({"shape": shape, "side": f"plan@{frac:.0%}", "bs": args.bs, "seq": args.seq,
+            rows.append({"shape": shape, "side": label, "bs": args.bs, "seq": args.seq,
                          "budget_gb": budget / 1e9, "error": "no plan fits the budget"})
             continue
-        key = plan.layers
+        key = (plan.layers, plan.micro_batch)
         if key not in done:
             path = os.path.join(workdir, f"{shape}_plan{int(frac * 100)}.json")
             plan.save(path)
             done[key] = _run(args, shape, "plan", path)
-        row = {**done[key], "side": f"plan@{frac:.0%}", "budget_gb": budget / 1e9,
+        row = {**done[key], "side": label, "budget_gb": budget / 1e9,
                "predicted_peak_gb": plan.predicted_peak_bytes / 1e9, "predicted_ms": plan.predicted_step_s * 1e3,
                "counts": plan.counts()}
         rows.append(row)
@@ -161,12 +182,20 @@ def _verdicts(rows: list[dict]) -> list[str]:
             continue
         sides = [s for s in rows if s["shape"] == r["shape"] and s["side"] in ("bf16", "bf16_ckpt", "coat")
                  and "ms" in s and s["peak_gb"] <= r["budget_gb"]]
-        best = min(sides, key=lambda s: s["ms"], default=None)
+        best = max(sides, key=_tokens_per_s, default=None)
         fits = "fits" if r["peak_gb"] <= r["budget_gb"] else "OVER budget"
-        vs = f"{best['ms'] / r['ms']:.2f}x {best['side']}'s (the fastest other side within it)" if best \
-            else "no other side fits"
+        vs = f"{_tokens_per_s(r) / _tokens_per_s(best):.2f}x {best['side']}'s (the fastest other side within it)" \
+            if best else "no other side fits at micro-batch %d" % rows[0]["bs"]
+        if r["side"] == "plan@ckpt":
+            ck = next((s for s in rows if s["shape"] == r["shape"] and s["side"] == "bf16_ckpt" and "ms" in s), None)
+            if ck:
+                vs += f"; {_tokens_per_s(r) / _tokens_per_s(ck):.2f}x full checkpointing's tokens/s"
         out.append(f"{r['shape']} {r['side']} ({r['budget_gb']:.4g} GB): measured {fits}; tokens/s {vs}")
     return out
+
+
+def _tokens_per_s(r: dict) -> float:
+    return r["bs"] * r["seq"] / r["ms"] * 1e3
 
 
 def _table(rows: list[dict]) -> list[str]:
@@ -198,8 +227,10 @@ def main():
     ap.add_argument("--bs", type=int, default=8)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=None, help="timed steps per side, median (default 5; --tiny 2)")
-    ap.add_argument("--budgets", type=float, nargs="+", default=[0.9, 0.6, 0.4], help="fractions of BF16's peak")
-    ap.add_argument("--choices", nargs="+", default=["keep", "fp8", "recompute"])
+    ap.add_argument("--budgets", nargs="+", default=["0.9", "0.6", "0.4", "ckpt"],
+                    help="fractions of BF16's peak, or 'ckpt': full checkpointing's measured peak")
+    ap.add_argument("--choices", nargs="+", default=None,
+                    help="default: keep fp8 fp8_linear recompute (--tiny: without fp8_linear)")
     ap.add_argument("--no-compile", action="store_true", help="eager layers")
     ap.add_argument("--in-process", action="store_true", help="every side in this process (CPU tests)")
     ap.add_argument("--log-dir", default=None, help="write each side's full output here")
@@ -209,6 +240,14 @@ def main():
     elif not torch.cuda.is_available() and not args.side:
         raise SystemExit("needs a CUDA GPU (or --tiny)")
     args.steps = args.steps or (2 if args.tiny else 5)
+    if args.choices is None:
+        args.choices = ["keep", "fp8", "recompute"] + ([] if args.tiny else ["fp8_linear"])
+    for spec in args.budgets:
+        if spec != "ckpt":
+            try:
+                float(spec)
+            except ValueError:
+                ap.error(f"--budgets: {spec!r} is neither a fraction of BF16's peak nor 'ckpt'")
     if not torch.cuda.is_available():
         torch.set_num_threads(1)  # tiny ops: threads only contend
     if args.side:
