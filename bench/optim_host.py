@@ -4,10 +4,14 @@ one launch. 219 tensors shaped like a scaled-down Llama list (bench/optim_step.p
 
     python bench/optim_host.py                                    # this checkout
     PYTHONPATH=/path/to/other/checkout python bench/optim_host.py  # another version's code
+    python bench/optim_host.py --profile                          # where the time goes (cProfile)
 """
 from __future__ import annotations
 
+import argparse
+import cProfile
 import os
+import pstats
 import time
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton backend on CPU tensors; nothing launches
@@ -24,6 +28,11 @@ class _NoLaunch:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", action="store_true", help="print the 15 functions of most own time over 200 steps")
+    ap.add_argument("--min-quant-numel", type=int, default=0,
+                    help="CoatAdamW's option (4096: the norms keep FP32 moments, a second launch, as on the GPU)")
+    args = ap.parse_args()
     adamw._adamw_kernel = _NoLaunch()
     torch.manual_seed(0)
     layer = [(64,), (64, 64), (64, 64), (64, 64), (64, 64), (64,), (172, 64), (172, 64), (64, 172)]
@@ -31,7 +40,8 @@ def main() -> None:
     params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
-    opt = CoatAdamW(params, lr=1e-4, weight_decay=0.01, backend="triton", min_quant_numel=0)
+    opt = CoatAdamW(params, lr=1e-4, weight_decay=0.01, backend="triton",
+                    min_quant_numel=args.min_quant_numel)
     opt.step()
     times = []
     for _ in range(200):
@@ -39,6 +49,10 @@ def main() -> None:
         opt.step()
         times.append(time.perf_counter() - t0)
     times.sort()
+    if args.profile:
+        prof = cProfile.Profile()
+        prof.runcall(lambda: [opt.step() for _ in range(200)])
+        pstats.Stats(prof).sort_stats("tottime").print_stats(15)
     print(f"{len(params)} tensors: host ms/step min {times[0] * 1e3:.3f} median {times[len(times) // 2] * 1e3:.3f}")
 
 

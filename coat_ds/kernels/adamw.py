@@ -4,8 +4,10 @@ One launch covers every tensor of a bucket (same param dtype, grad dtype and ste
 program owns BG whole groups of one tensor, so per-group statistics, the DRE exponent and
 the scale are computed without leaving the program. Tensors are reached through a table of
 raw addresses; the table is cached and rebuilt (pinned host memory, async copy) only when an
-address changes (of a parameter, a gradient or any state tensor), and the program map only when the tensors do, so a step neither
-synchronises with the host nor recompiles.
+address changes (of a parameter, a gradient or any state tensor), and the program map only
+when the tensors do, so a step neither synchronises with the host nor recompiles.
+`adamw_step` reads every address at each call; a `PreparedStep` reads only the gradients'
+and leaves the rest to its caller (CoatAdamW checks them with no Python per tensor).
 """
 from __future__ import annotations
 

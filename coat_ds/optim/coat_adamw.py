@@ -17,7 +17,8 @@ from . import sharded
 from . import state as st
 from . import watch
 from .loading import check_state, is_fp32_layout, merge_groups
-from .group_step import GroupStep, local_tensor
+from .group_step import GroupStep
+from .group_step import local_tensor as _local
 from .nonfinite import SkipCounter, first_nonfinite
 
 __all__ = ["CoatAdamW", "nonfinite_groups"]
@@ -26,7 +27,6 @@ _CONFIG_KEYS = tuple(OptimStateConfig.__dataclass_fields__)
 _OPTION_DEFAULTS = {f.name: f.default for f in dataclasses.fields(OptimStateConfig)}
 
 
-_local = local_tensor
 _GRAD = attrgetter("grad")
 # Prepared steps kept: ZeRO-3 steps each sub-group's own tensor list.
 _MAX_GROUP_STEPS = 256

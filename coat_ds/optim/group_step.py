@@ -104,7 +104,10 @@ class GroupStep:
         self.steps = torch.tensor([float(state["step"]) for state in states], dtype=torch.float32)
         for i, state in enumerate(states):
             state["step"] = self.steps[i]
-        self.addresses = self._addresses(self.locals, states)
+        try:
+            self.addresses = self._addresses(self.locals, states)
+        except (TypeError, RuntimeError):  # a state value that is not a tensor with storage: never reused
+            self.addresses = None
         by_kind: dict[tuple, list[int]] = defaultdict(list)
         for i, s in enumerate(slots):
             quant = not torch.is_tensor(s.exp_avg)
@@ -128,7 +131,7 @@ class GroupStep:
         try:
             if self._addresses(locals_, map(state.get, self.params)) != self.addresses:
                 return None
-        except TypeError:  # a parameter without state, or a state value that is not a tensor
+        except (TypeError, RuntimeError):  # a parameter without state, a value that is not a tensor with storage
             return None
         if list(map(_numel, locals_)) != self.numels:
             return None
