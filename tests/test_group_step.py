@@ -10,7 +10,7 @@ import torch
 
 import coat_ds
 from coat_ds import CoatAdamW
-from coat_ds.kernels import adamw
+from coat_ds.kernels import adamw, fp8, set_fp8_conversions
 
 COAT_DIR = os.path.dirname(coat_ds.__file__)
 
@@ -194,8 +194,11 @@ def test_group_options_changed_between_steps_take_effect():
 
 
 class _NoLaunch:
+    def __init__(self):
+        self.isa = []
+
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
+        return lambda *args, **kwargs: self.isa.append(kwargs["ISA"])
 
 
 def _coat_calls_in_steady_step(n: int, monkeypatch) -> int:
@@ -221,3 +224,24 @@ def test_steady_step_runs_no_python_per_tensor(monkeypatch):
     """The host cost that made the 219-tensor step host-bound: a steady step runs the same
     coat_ds Python for 3 tensors as for 30 (per-tensor work stays in C-level passes)."""
     assert _coat_calls_in_steady_step(2, monkeypatch) == _coat_calls_in_steady_step(29, monkeypatch)
+
+
+def test_fp8_conversions_set_after_the_step_was_prepared_reach_the_next_launch(monkeypatch):
+    """set_fp8_conversions promises every kernel launched from then on."""
+    launches = _NoLaunch()
+    monkeypatch.setattr(adamw, "_adamw_kernel", launches)
+    monkeypatch.setattr(fp8, "_ISA", {})
+    monkeypatch.setattr(fp8, "select_isa", lambda cap, hip, force_portable=False:
+                        fp8.ISA_NVIDIA if force_portable else fp8.ISA_GENERIC)
+    params = _params(shapes=((8, 128),))
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = _opt(params)
+    try:
+        opt.step()
+        opt.step()
+        set_fp8_conversions("portable")
+        opt.step()
+    finally:
+        set_fp8_conversions(None)
+    assert launches.isa == [fp8.ISA_GENERIC, fp8.ISA_GENERIC, fp8.ISA_NVIDIA]

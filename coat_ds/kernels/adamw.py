@@ -235,7 +235,7 @@ class _Launch:
             P_DTYPE=_DTYPE_IDS[slots[0].param.dtype], G_DTYPE=_DTYPE_IDS[self.grad_dtype],
             QUANT=isinstance(slots[0].exp_avg, QuantizedGroups), FMT_M=fm.id, FMT_V=fv.id, DRE=dre,
             KNUM_M=K_ONE * fm.dre_log2_range, KNUM_V=K_ONE * fv.dre_log2_range, G=group_size,
-            BG=plan.bg, TABLE_COLS=_TABLE_COLS, ISA=kernel_isa(self.device), num_warps=STEP_WARPS)
+            BG=plan.bg, TABLE_COLS=_TABLE_COLS, num_warps=STEP_WARPS)
 
     def __call__(self, hyper: AdamWHyper, skipped: torch.Tensor | None) -> None:
         if skipped is None:
@@ -245,7 +245,7 @@ class _Launch:
             plan.table, plan.blocks, skipped,
             hyper.beta1, hyper.beta2, hyper.eps, 1.0 - hyper.lr * hyper.weight_decay, hyper.step_size,
             1.0 / hyper.bias_correction2_sqrt, hyper.lr, hyper.step, *hyper.log2_betas(),
-            ALIGNED=plan.aligned, **self.consts)
+            ALIGNED=plan.aligned, ISA=kernel_isa(self.device), **self.consts)  # set_fp8_conversions may change it
 
 
 def adamw_step(slots: list[AdamWSlot], hyper: AdamWHyper, *, group_size: int = 128, fmt_m="e4m3",
