@@ -11,7 +11,7 @@ and leaves the rest to its caller (CoatAdamW checks them with no Python per tens
 """
 from __future__ import annotations
 
-from operator import attrgetter, itemgetter
+from operator import attrgetter
 
 import torch
 import triton
@@ -158,6 +158,7 @@ class _Plan:
 
     def bind(self, key: list[tuple[int, ...]]) -> None:
         if key == self.key:
+            self.key = key  # the caller's own list: a PreparedStep checks it by identity
             return
         rows = [[*addresses[:10], lay.cols, lay.num_groups, lay.groups_per_row, addresses[10], 0, 0]
                 for addresses, lay in zip(key, self.layouts)]
@@ -277,13 +278,13 @@ class PreparedStep:
     def __init__(self, slots: list[AdamWSlot], *, group_size: int = 128, fmt_m="e4m3", fmt_v="e4m3",
                  dre: bool = True, plan_cache: dict | None = None):
         self.live = [i for i, s in enumerate(slots) if s.param.numel()]  # FSDP2 shards may be empty
+        self.all_live = len(self.live) == len(slots)
         slots = _checked([slots[i] for i in self.live], group_size)
         self.key = _key(slots)
         # What the table points at, gradients aside, lives as long as the table.
         self.held = [(s.param, s.exp_avg, s.exp_avg_sq, s.skips) for s in slots]
         self.launch = _Launch(slots, _bound_plan(slots, self.key, group_size, plan_cache), fmt_m, fmt_v, dre,
                               group_size) if slots else None
-        self.pick = itemgetter(*self.live) if len(self.live) > 1 else (lambda g: (g[self.live[0]],))
         self.grad_ptrs = [k[1] for k in self.key]
 
     def accept(self, grads: list[torch.Tensor]) -> list[int] | None:
@@ -292,7 +293,8 @@ class PreparedStep:
         prepared dtype)."""
         if self.launch is None:
             return []
-        grads = self.pick(grads)
+        if not self.all_live:
+            grads = [grads[i] for i in self.live]
         try:
             ptrs = list(map(_data_ptr, grads))  # raises for a sparse gradient
         except RuntimeError:
@@ -306,6 +308,7 @@ class PreparedStep:
             return
         if grad_ptrs != self.grad_ptrs:
             self.key = [(k[0], g, *k[2:]) for k, g in zip(self.key, grad_ptrs)]
-            self.launch.plan.bind(self.key)
             self.grad_ptrs = grad_ptrs
+        if self.launch.plan.key is not self.key:  # gradients moved, or another caller bound the cached plan
+            self.launch.plan.bind(self.key)
         self.launch(hyper, skipped)
