@@ -103,6 +103,16 @@ def test_changed_state_or_parameter_storage_is_what_the_next_step_writes(change)
     _same(pa, a, pb, b)
 
 
+def test_empty_parameter_in_the_group_is_stepped_around():
+    """An empty tensor (an FSDP2 shard can be one) has no row in the launch."""
+    pa, pb = _params(), _params()
+    a, b = _opt([torch.nn.Parameter(torch.empty(0, 64))] + pa), _opt(pb)
+    for s in range(3):
+        _step(a, a.param_groups[0]["params"], s)
+        _step(b, pb, s)
+    _same(pa, a, pb, b)
+
+
 def test_state_value_that_is_not_a_tensor_is_kept_and_stepped_around():
     pa = _params()
     a = _opt(pa)
