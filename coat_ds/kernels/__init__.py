@@ -34,12 +34,14 @@ def _triton_ops() -> SimpleNamespace:
 
     return SimpleNamespace(name="triton", quantize_groups=quantize.quantize_groups,
                            dequantize_groups=quantize.dequantize_groups, adamw_step=adamw.adamw_step,
+                           prepare_adamw_step=adamw.PreparedStep,
                            cast_fp8=quantize.cast_fp8)
 
 
 # The reference step, chunked on host tensors (ZeRO-Offload): see host.py.
 _TORCH_OPS = SimpleNamespace(name="torch", quantize_groups=reference.quantize_groups,
                              dequantize_groups=reference.dequantize_groups, adamw_step=host.adamw_step,
+                             prepare_adamw_step=None,  # per-tensor work here dwarfs the Python around it
                              cast_fp8=reference.cast_fp8)
 
 

@@ -4,10 +4,14 @@ One launch covers every tensor of a bucket (same param dtype, grad dtype and ste
 program owns BG whole groups of one tensor, so per-group statistics, the DRE exponent and
 the scale are computed without leaving the program. Tensors are reached through a table of
 raw addresses; the table is cached and rebuilt (pinned host memory, async copy) only when an
-address changes (of a parameter, a gradient or any state tensor), and the program map only when the tensors do, so a step neither
-synchronises with the host nor recompiles.
+address changes (of a parameter, a gradient or any state tensor), and the program map only
+when the tensors do, so a step neither synchronises with the host nor recompiles.
+`adamw_step` reads every address at each call; a `PreparedStep` reads only the gradients'
+and leaves the rest to its caller (CoatAdamW checks them with no Python per tensor).
 """
 from __future__ import annotations
+
+from operator import attrgetter
 
 import torch
 import triton
@@ -18,7 +22,7 @@ from .fp8 import K_ONE, get_format, kernel_isa
 from .layout import AdamWHyper, AdamWSlot, QuantizedGroups, group_layout
 from .quantize import _group_offsets, tile_shape
 
-__all__ = ["adamw_step"]
+__all__ = ["adamw_step", "PreparedStep"]
 
 # p, g, m codes/center/kcode/sexp, v codes/center/kcode/sexp, cols, n_groups, gpr, group skips
 _TABLE_COLS = 16
@@ -154,6 +158,7 @@ class _Plan:
 
     def bind(self, key: list[tuple[int, ...]]) -> None:
         if key == self.key:
+            self.key = key  # the caller's own list: a PreparedStep checks it by identity
             return
         rows = [[*addresses[:10], lay.cols, lay.num_groups, lay.groups_per_row, addresses[10], 0, 0]
                 for addresses, lay in zip(key, self.layouts)]
@@ -187,17 +192,10 @@ def _to_device(rows, device, dtype=torch.int64) -> torch.Tensor:
     return torch.tensor(rows, dtype=dtype, device=device)
 
 
-def adamw_step(slots: list[AdamWSlot], hyper: AdamWHyper, *, group_size: int = 128, fmt_m="e4m3",
-               fmt_v="e4m3", dre: bool = True, skipped: torch.Tensor | None = None,
-               plan_cache: dict | None = None) -> None:
-    """Triton twin of `reference.adamw_step`: one launch for all `slots`.
-
-    All slots share param dtype, grad dtype and moment kind (FP8 or FP32). `plan_cache`, a
-    dict owned by the caller, keeps the address table between steps; it is re-sent whenever
-    any tensor the kernel touches has moved."""
+def _checked(slots: list[AdamWSlot], group_size: int) -> list[AdamWSlot]:
     slots = [s for s in slots if s.param.numel()]
     if not slots:
-        return
+        return slots
     device = slots[0].param.device
     # Without a counter per group (tests, benchmarks) no group has skipped before, and a
     # skip is only counted in `skipped`.
@@ -206,30 +204,111 @@ def adamw_step(slots: list[AdamWSlot], hyper: AdamWHyper, *, group_size: int = 1
     for s in slots:
         if not (s.param.is_contiguous() and s.grad.is_contiguous()):
             raise ValueError("CoatAdamW's Triton step needs contiguous parameters and gradients")
+    return slots
+
+
+def _bound_plan(slots: list[AdamWSlot], key: list[tuple[int, ...]], group_size: int, plan_cache: dict | None) -> _Plan:
     quant = isinstance(slots[0].exp_avg, QuantizedGroups)
-    fm, fv = get_format(fmt_m), get_format(fmt_v)
-    key = _key(slots)
     # Keyed by the parameters themselves: ZeRO-3 steps one sub-group's tensors per call,
     # each with its own plan, and every one is reused on the next iteration.
     cache_key = (quant, slots[0].param.dtype, slots[0].grad.dtype, group_size,
                  tuple((k[0], s.param.shape) for k, s in zip(key, slots)))
     plan = None if plan_cache is None else plan_cache.get(cache_key)
     if plan is None:
-        plan = _Plan(slots, group_size, device)
+        plan = _Plan(slots, group_size, slots[0].param.device)
         if plan_cache is not None:
             if len(plan_cache) >= _MAX_PLANS:
                 plan_cache.pop(next(iter(plan_cache)))
             plan_cache[cache_key] = plan
     plan.bind(key)
-    if skipped is None:
-        skipped = torch.zeros((), dtype=torch.int64, device=device)
-    _adamw_kernel[(plan.grid,)](
-        plan.table, plan.blocks, skipped,
-        hyper.beta1, hyper.beta2, hyper.eps, 1.0 - hyper.lr * hyper.weight_decay, hyper.step_size,
-        1.0 / hyper.bias_correction2_sqrt, hyper.lr, hyper.step, *hyper.log2_betas(),
-        P_DTYPE=_DTYPE_IDS[slots[0].param.dtype], G_DTYPE=_DTYPE_IDS[slots[0].grad.dtype], QUANT=quant,
-        FMT_M=fm.id, FMT_V=fv.id, DRE=dre, KNUM_M=K_ONE * fm.dre_log2_range,
-        KNUM_V=K_ONE * fv.dre_log2_range, G=group_size, BG=plan.bg, TABLE_COLS=_TABLE_COLS,
-        ALIGNED=plan.aligned,
-        ISA=kernel_isa(device),
-        num_warps=STEP_WARPS)
+    return plan
+
+
+class _Launch:
+    """The constant part of one bucket's launch: dtypes, formats, plan."""
+
+    def __init__(self, slots: list[AdamWSlot], plan: _Plan, fmt_m: str, fmt_v: str, dre: bool, group_size: int):
+        fm, fv = get_format(fmt_m), get_format(fmt_v)
+        self.plan = plan
+        self.device = slots[0].param.device
+        self.grad_dtype = slots[0].grad.dtype
+        self.consts = dict(
+            P_DTYPE=_DTYPE_IDS[slots[0].param.dtype], G_DTYPE=_DTYPE_IDS[self.grad_dtype],
+            QUANT=isinstance(slots[0].exp_avg, QuantizedGroups), FMT_M=fm.id, FMT_V=fv.id, DRE=dre,
+            KNUM_M=K_ONE * fm.dre_log2_range, KNUM_V=K_ONE * fv.dre_log2_range, G=group_size,
+            BG=plan.bg, TABLE_COLS=_TABLE_COLS, num_warps=STEP_WARPS)
+
+    def __call__(self, hyper: AdamWHyper, skipped: torch.Tensor | None) -> None:
+        if skipped is None:
+            skipped = torch.zeros((), dtype=torch.int64, device=self.device)
+        plan = self.plan
+        _adamw_kernel[(plan.grid,)](
+            plan.table, plan.blocks, skipped,
+            hyper.beta1, hyper.beta2, hyper.eps, 1.0 - hyper.lr * hyper.weight_decay, hyper.step_size,
+            1.0 / hyper.bias_correction2_sqrt, hyper.lr, hyper.step, *hyper.log2_betas(),
+            ALIGNED=plan.aligned, ISA=kernel_isa(self.device), **self.consts)  # set_fp8_conversions may change it
+
+
+def adamw_step(slots: list[AdamWSlot], hyper: AdamWHyper, *, group_size: int = 128, fmt_m="e4m3",
+               fmt_v="e4m3", dre: bool = True, skipped: torch.Tensor | None = None,
+               plan_cache: dict | None = None) -> None:
+    """Triton twin of `reference.adamw_step`: one launch for all `slots`.
+
+    All slots share param dtype, grad dtype and moment kind (FP8 or FP32). `plan_cache`, a
+    dict owned by the caller, keeps the address table between steps; it is re-sent whenever
+    any tensor the kernel touches has moved."""
+    slots = _checked(slots, group_size)
+    if not slots:
+        return
+    plan = _bound_plan(slots, _key(slots), group_size, plan_cache)
+    _Launch(slots, plan, fmt_m, fmt_v, dre, group_size)(hyper, skipped)
+
+
+_dtype_of = attrgetter("dtype")
+_is_contiguous = torch.Tensor.is_contiguous
+
+
+class PreparedStep:
+    """`adamw_step` prepared for slots whose parameters and state tensors stay where they
+    are: each step passes only the gradients. The caller re-checks the parameters' and
+    state tensors' addresses before every step (a moved one needs a new PreparedStep);
+    gradients may move, and the table's gradient column is rebound when one did. Holds
+    no gradient: old gradients are freed as the caller replaces them."""
+
+    def __init__(self, slots: list[AdamWSlot], *, group_size: int = 128, fmt_m="e4m3", fmt_v="e4m3",
+                 dre: bool = True, plan_cache: dict | None = None):
+        self.live = [i for i, s in enumerate(slots) if s.param.numel()]  # FSDP2 shards may be empty
+        self.all_live = len(self.live) == len(slots)
+        slots = _checked([slots[i] for i in self.live], group_size)
+        self.key = _key(slots)
+        # What the table points at, gradients aside, lives as long as the table.
+        self.held = [(s.param, s.exp_avg, s.exp_avg_sq, s.skips) for s in slots]
+        self.launch = _Launch(slots, _bound_plan(slots, self.key, group_size, plan_cache), fmt_m, fmt_v, dre,
+                              group_size) if slots else None
+        self.grad_ptrs = [k[1] for k in self.key]
+
+    def accept(self, grads: list[torch.Tensor]) -> list[int] | None:
+        """What the call takes for `grads` (one per slot, in order): their addresses, or None
+        where they cannot be stepped as prepared (not dense, not contiguous or not of the
+        prepared dtype)."""
+        if self.launch is None:
+            return []
+        if not self.all_live:
+            grads = [grads[i] for i in self.live]
+        try:
+            ptrs = list(map(_data_ptr, grads))  # raises for a sparse gradient
+        except RuntimeError:
+            return None
+        if all(map(_is_contiguous, grads)) and set(map(_dtype_of, grads)) == {self.launch.grad_dtype}:
+            return ptrs
+        return None
+
+    def __call__(self, grad_ptrs: list[int], hyper: AdamWHyper, skipped: torch.Tensor | None = None) -> None:
+        if self.launch is None:
+            return
+        if grad_ptrs != self.grad_ptrs:
+            self.key = [(k[0], g, *k[2:]) for k, g in zip(self.key, grad_ptrs)]
+            self.grad_ptrs = grad_ptrs
+        if self.launch.plan.key is not self.key:  # gradients moved, or another caller bound the cached plan
+            self.launch.plan.bind(self.key)
+        self.launch(hyper, skipped)

@@ -5,16 +5,20 @@ import copy
 import dataclasses
 import itertools
 from collections import defaultdict
+from itertools import repeat
+from operator import attrgetter, is_not
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from ..config import AdamWHyperparams, OptimStateConfig
-from ..kernels import AdamWHyper, AdamWSlot, get_ops
+from ..kernels import AdamWSlot
 from . import sharded
 from . import state as st
 from . import watch
 from .loading import check_state, is_fp32_layout, merge_groups
+from .group_step import GroupStep
+from .group_step import local_tensor as _local
 from .nonfinite import SkipCounter, first_nonfinite
 
 __all__ = ["CoatAdamW", "nonfinite_groups"]
@@ -23,9 +27,9 @@ _CONFIG_KEYS = tuple(OptimStateConfig.__dataclass_fields__)
 _OPTION_DEFAULTS = {f.name: f.default for f in dataclasses.fields(OptimStateConfig)}
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank owns: a DTensor's local shard, else `t` itself."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+_GRAD = attrgetter("grad")
+# Prepared steps kept: ZeRO-3 steps each sub-group's own tensor list.
+_MAX_GROUP_STEPS = 256
 
 
 def _lr_value(lr):
@@ -103,9 +107,9 @@ class CoatAdamW(torch.optim.Optimizer):
         self._drop_caches()
 
     def _drop_caches(self) -> None:
-        # Kernel address tables and state views of tensors that may have been replaced.
+        # Kernel address tables and prepared steps of tensors that may have been replaced.
         self._plan_cache: dict = {}
-        self._entries: dict = {}
+        self._group_steps: dict[tuple[int, ...], GroupStep] = {}
 
     @staticmethod
     def _validate(group: dict) -> tuple[AdamWHyperparams, OptimStateConfig]:
@@ -131,11 +135,20 @@ class CoatAdamW(torch.optim.Optimizer):
         work, raising = [], []
         for gi, group in enumerate(self.param_groups):
             hp, cfg = self._validate(group)
-            params = [p for p in group["params"] if p.grad is not None]
-            for i, p in enumerate(params):
-                _check_param(p, gi, i)
-            if params:
-                work.append((hp, cfg, params))
+            params = group["params"]
+            grads = list(map(_GRAD, params))
+            if not all(map(is_not, grads, repeat(None))):
+                params = [p for p, g in zip(params, grads) if g is not None]
+                grads = [g for g in grads if g is not None]
+            if not params:
+                continue
+            prepared = self._group_steps.get(tuple(map(id, params)))
+            taken = prepared.check(self.state, grads) if prepared is not None and prepared.cfg == cfg else None
+            if taken is None:
+                for i, p in enumerate(params):
+                    _check_param(p, gi, i)
+                prepared = None
+            work.append((hp, cfg, params, prepared, taken))
             if cfg.nonfinite == "raise":
                 raising.extend((gi, p) for p in params)
         if raising:
@@ -147,8 +160,10 @@ class CoatAdamW(torch.optim.Optimizer):
                     f"CoatAdamW: parameter {index} of param group {gi} has a non-finite gradient (or one whose "
                     "square overflows float32); nothing was updated")
             skipped_before = self._skips.total()
-        for hp, cfg, params in work:
-            self._step_group(hp, cfg, params)
+        for hp, cfg, params, prepared, taken in work:
+            if prepared is None:
+                prepared, taken = self._prepare(params, cfg)
+            prepared.run(taken, hp, self._skips)
         if raising and self._skips.total() > skipped_before:
             raise FloatingPointError(
                 f"CoatAdamW: {self._skips.total() - skipped_before} group(s) had moments that overflowed "
@@ -156,45 +171,29 @@ class CoatAdamW(torch.optim.Optimizer):
         self._skips.after_step()
         return loss
 
-    def _step_group(self, hp: AdamWHyperparams, cfg: OptimStateConfig, params: list[torch.Tensor]) -> None:
-        entries = [self._entry(p, cfg) for p in params]
-        # One call for every counter and one read back: per-parameter tensor ops and
-        # .item() calls cost more host time than the GPU step of a 1B model takes.
-        steps = [self.state[p]["step"] for p in params]
-        torch._foreach_add_(steps, 1)
-        step_values = torch.stack(steps).tolist()
-        buckets: dict[tuple, list[AdamWSlot]] = defaultdict(list)
-        for p, (local, m, v, quant, skips), step in zip(params, entries, step_values):
+    def _prepare(self, params: list[torch.Tensor], cfg: OptimStateConfig) -> tuple[GroupStep, tuple]:
+        """A new GroupStep for `params` (creating state on first use), and what its run takes
+        for their gradients."""
+        states, slots = [], []
+        for p in params:
+            local = _local(p)
+            state = self.state[p]
+            if not state:
+                state.update(st.init_state(local, sharded.global_numel(p) >= cfg.min_quant_numel, cfg))
+            if st.SKIPS_KEY not in state:  # state set by hand or by an older version
+                state[st.SKIPS_KEY] = st.zero_skips(local, cfg.group_size)
             grad = _local(p.grad)
-            if not grad.is_contiguous():
-                grad = grad.contiguous()
-            buckets[(quant, int(step), local.device, local.dtype, grad.dtype)].append(
-                AdamWSlot(local, grad, m, v, skips))
-        for (quant, step, device, *_), slots in buckets.items():
-            hyper = AdamWHyper.at_step(step, hp.lr, *hp.betas, hp.eps, hp.weight_decay)
-            get_ops(device, cfg.backend).adamw_step(
-                slots, hyper, group_size=cfg.group_size, fmt_m=cfg.first_moment_format,
-                fmt_v=cfg.second_moment_format, dre=cfg.dynamic_range_expansion,
-                skipped=self._skips.counter(device), plan_cache=self._plan_cache)
-
-    def _entry(self, p: torch.Tensor, cfg: OptimStateConfig) -> tuple:
-        """(local tensor, exp_avg, exp_avg_sq, quantized?, group skips) of `p`, creating its
-        state on first use. Cached while the local shard and every state tensor stay the
-        same objects."""
-        local = _local(p)
-        state = self.state[p]
-        cached = self._entries.get(p)
-        if cached is not None and cached[0] is local and cached[5] == tuple(map(id, state.values())):
-            return cached[:5]
-        if not state:
-            state.update(st.init_state(local, sharded.global_numel(p) >= cfg.min_quant_numel, cfg))
-        if st.SKIPS_KEY not in state:  # state set by hand or by an older version
-            state[st.SKIPS_KEY] = st.zero_skips(local, cfg.group_size)
-        quant = st.is_quantized(state)
-        entry = (local, st.moment(state, "exp_avg"), st.moment(state, "exp_avg_sq"), quant, state[st.SKIPS_KEY],
-                 tuple(map(id, state.values())))
-        self._entries[p] = entry
-        return entry[:5]
+            states.append(state)
+            slots.append(AdamWSlot(local, grad if grad.is_contiguous() else grad.contiguous(),
+                                   st.moment(state, "exp_avg"), st.moment(state, "exp_avg_sq"), state[st.SKIPS_KEY]))
+        prepared = GroupStep(params, states, slots, cfg, self._plan_cache)
+        if len(self._group_steps) >= _MAX_GROUP_STEPS:
+            self._group_steps.pop(next(iter(self._group_steps)))
+        self._group_steps[tuple(map(id, params))] = prepared
+        taken = prepared.take([s.grad for s in slots])
+        if taken is None:
+            raise RuntimeError("CoatAdamW: a step prepared from these gradients refused them")
+        return prepared, taken
 
     def nonfinite_groups(self) -> int:
         """Groups skipped so far for non-finite gradients or moments (reads the device)."""
