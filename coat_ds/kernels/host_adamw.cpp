@@ -1,10 +1,16 @@
 // The host AdamW step with FP8 (DRE) or FP32 moments, fused per quantization group: the
 // CPU counterpart of kernels/adamw.py, computing what reference.adamw_step (the oracle)
-// computes, in the same float32 operations and order. log2/exp2 go through ATen's
-// Vectorized<float> (SLEEF, as torch.log2/torch.exp2 do) and sqrt through MKL where torch
-// uses it, so results match the reference bit for bit except where torch itself takes a
-// scalar libm exp2 (loop tails). Built with -ffp-contract=off: a fused multiply-add would
-// round differently from the reference's separate ops.
+// computes, in the same float32 operations and order.
+//
+// What matches the reference bit for bit: the AdamW arithmetic (sqrt through MKL where torch
+// uses it), every per-group decision (range, k, centre, scale: ATen's Vectorized<float>
+// log2/exp2, i.e. SLEEF, as torch.log2/torch.exp2), hence FP32 moments and their parameters.
+// What does not, by design: the per-element log2/exp2 of FP8 moments (eight per element,
+// ~45 % of the step through SLEEF) use our own polynomials, within ~1 ulp of SLEEF's, and
+// decoding reads log2 of the FP8 magnitude from a table; a code differs from the reference's
+// only where the ulp moves a value across a rounding midpoint (tests/test_host_kernel.py).
+// Built with -ffp-contract=off: a fused multiply-add would round differently from the
+// reference's separate ops.
 //
 // Plain C ABI, called through ctypes (which releases the GIL): Python passes raw pointers
 // of contiguous tensors and a range of groups; each call writes only its own groups, so
@@ -33,12 +39,17 @@ namespace {
 
 // VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE, the mode ATen's vml.h passes.
 constexpr long long kVmlMode = 0x2 | 0x140000 | 0x100;
+// Groups are stepped in batches of about this many elements, so that the per-group scalar
+// work (SLEEF and MKL calls on a few values) runs once per batch on arrays: called per group,
+// it cost ~10 % of the step. Four FP32 arrays of a batch stay in L2.
+constexpr int64_t kBatchElems = 4096;
 
 using Vec = at::vec::Vectorized<float>;
 constexpr float kFloatMax = std::numeric_limits<float>::max();
 
 inline uint32_t bits_of(float x) { uint32_t b; std::memcpy(&b, &x, 4); return b; }
 inline float float_of(uint32_t b) { float x; std::memcpy(&x, &b, 4); return x; }
+// 2**e for e in [-126, 127]; the reference's pow2 bits elsewhere (0 at -127, inf at 128).
 inline float pow2i(int32_t e) { return float_of(static_cast<uint32_t>(e + 127) << 23); }
 
 void vlog2(float* x, int64_t n) {
@@ -53,12 +64,50 @@ void vexp2(float* x, int64_t n) {
   if (i < n) Vec::loadu(x + i, n - i).exp2().store(x + i, n - i);
 }
 
-void vsqrt(float* x, int64_t n) {
+void vsqrt(const float* x, float* out, int64_t n) {
   if (vmsSqrt != nullptr) {
-    vmsSqrt(static_cast<int>(n), x, x, kVmlMode);
+    vmsSqrt(static_cast<int>(n), x, out, kVmlMode);
     return;
   }
-  for (int64_t i = 0; i < n; ++i) x[i] = std::sqrt(x[i]);
+  for (int64_t i = 0; i < n; ++i) out[i] = std::sqrt(x[i]);
+}
+
+// Per-element log2 and exp2 for encoding, our own polynomials (fit once, near-minimax on
+// their ranges), evaluated with explicit fused multiply-adds: the reference's ops are not
+// mirrored here, only its values to ~1 ulp. Branch-free so that the loops vectorize.
+
+// 2**x * 2**e for x in [-inf, 160] and integer e: 2**(n + e) * p(x - n), n = round(x), p a
+// degree-6 fit to 2**r on [-1/2, 1/2] (relative error 2e-9; p(0) = 1, so integer x is exact).
+// The reference scales exp2's float result by 2**e exactly, which is this where both are
+// normal; n + e is clamped to [-127, 128]: 0 below (the reference's would be under 2**-126,
+// below any FP8 code), inf above.
+inline float exp2_scaled(float x, int32_t e) {
+  x = std::min(std::max(x, -160.0f), 160.0f);
+  const float n = (x + 12582912.0f) - 12582912.0f;  // 1.5 * 2**23: rounds |x| < 2**22 to an integer
+  const float r = x - n;
+  float p = std::fma(1.535336e-04f, r, 1.3398875e-03f);
+  p = std::fma(p, r, 9.618437e-03f);
+  p = std::fma(p, r, 5.5503324e-02f);
+  p = std::fma(p, r, 2.4022648e-01f);
+  p = std::fma(p, r, 6.931472e-01f);
+  p = std::fma(p, r, 1.0f);
+  const int32_t ne = std::min(std::max(static_cast<int32_t>(n) + e, -127), 128);
+  return p * pow2i(ne);
+}
+
+// log2(a) for finite a > 0 (subnormals too): e + log2(m) with m in [sqrt(1/2), sqrt(2)),
+// log2(m) an odd polynomial in s = (m - 1) / (m + 1) fit on that range (absolute error
+// 2e-10, ~1 ulp after float rounding; exact 0 at a = 1).
+inline float log2_poly(float a) {
+  // Selects of constants, not of results: GCC would sink a selected product or conversion
+  // into a branch it may not if-convert (it could trap), and the loop would not vectorize.
+  const bool sub = a < 1.17549435e-38f;
+  const uint32_t b = bits_of(a * (sub ? 16777216.0f : 1.0f));
+  const int32_t e = static_cast<int32_t>(b - 0x3F3504F3u) >> 23;  // 0x3F3504F3: sqrt(1/2)
+  const float m = float_of(b - (static_cast<uint32_t>(e) << 23));
+  const float s = (m - 1.0f) / (m + 1.0f), z = s * s;
+  const float p = s * std::fma(z, std::fma(z, std::fma(z, 0.434255928f, 0.576584518f), 0.961800754f), 2.88539004f);
+  return (static_cast<float>(e) - (sub ? 24.0f : 0.0f)) + p;
 }
 
 // FP8 formats as compile-time constants (0 = E4M3, 1 = E5M2, as the reference's Fp8Format.id),
@@ -74,33 +123,44 @@ template <> struct Fp8<1> {
                          sub_scale = 65536.0f;
 };
 
-// FP8 code -> float32 in integer operations (no NaN/inf codes are ever written).
-template <int FMT> void decode(const uint8_t* __restrict codes, float* __restrict out, int64_t n) {
+// |value| of a 7-bit FP8 magnitude code, in double (no NaN/inf codes are ever written).
+template <int FMT> double magnitude(int c) {
   using F = Fp8<FMT>;
-  for (int64_t i = 0; i < n; ++i) {
-    // Branch-free (selects by mask) so that the loop vectorizes.
-    uint32_t c = codes[i], mag = c & 0x7F, e = mag >> F::mb, man = mag & ((1u << F::mb) - 1);
-    uint32_t normal = ((e + 127 - F::bias) << 23) | (man << (23 - F::mb));
-    uint32_t sub = bits_of(static_cast<float>(man) * F::min_sub);
-    uint32_t is_normal = 0u - static_cast<uint32_t>(e != 0);
-    out[i] = float_of((normal & is_normal) | (sub & ~is_normal) | ((c & 0x80) << 24));
-  }
+  const int e = c >> F::mb, man = c & ((1 << F::mb) - 1);
+  return e == 0 ? man * static_cast<double>(F::min_sub)
+                : std::ldexp(1.0 + man / static_cast<double>(1 << F::mb), e - F::bias);
 }
 
-// Saturating round-to-nearest-even encode of |x| <= max, sign bit copied from x (-0.0 too),
-// in integer operations (the same as kernels/codec.py's software encode).
-template <int FMT> void encode(const float* __restrict x, uint8_t* __restrict out, int64_t n) {
+// log2(|q| * 2**e) for every 7-bit magnitude code q and every int8 scale exponent e (row
+// e + 128), in float as the reference computes it: the product rounded to float (the
+// reference's pow2 bits, so e = -128 and -127 give what it gives), then its log2 correctly
+// rounded, which is what torch.log2 (SLEEF) returns for every such product (checked for all
+// normal ones). Decoding reads its log2 here instead of computing it, bit for bit the same.
+template <int FMT> const float* log2_rows() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256 * 128);
+    for (int e = -128; e < 128; ++e) {
+      const float scale = pow2i(e);
+      for (int c = 0; c < 128; ++c) {
+        const float y = static_cast<float>(magnitude<FMT>(c)) * scale;
+        t[(e + 128) * 128 + c] = static_cast<float>(std::log2(static_cast<double>(y)));
+      }
+    }
+    return t;
+  }();
+  return table.data();
+}
+
+// Saturating round-to-nearest-even code of a magnitude 0 <= a <= max, in integer operations
+// (the same as kernels/codec.py's software encode).
+template <int FMT> inline uint32_t encode_mag(float a) {
   using F = Fp8<FMT>;
   constexpr int shift = 23 - F::mb;
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t xb = bits_of(x[i]), ab = xb & 0x7FFFFFFFu;
-    float a = float_of(ab);
-    int32_t rounded = static_cast<int32_t>(ab) + ((1 << (shift - 1)) - 1) + static_cast<int32_t>((ab >> shift) & 1);
-    int32_t normal = std::min((rounded >> shift) - ((127 - F::bias) << F::mb), F::code_max);
-    int32_t sub = static_cast<int32_t>((std::min(a, F::min_normal) * F::sub_scale + 8388608.0f) - 8388608.0f);
-    int32_t code = a < F::min_normal ? sub : normal;
-    out[i] = static_cast<uint8_t>(code | static_cast<int32_t>((xb >> 24) & 0x80));
-  }
+  const int32_t ab = static_cast<int32_t>(bits_of(a));
+  const int32_t rounded = ab + ((1 << (shift - 1)) - 1) + ((ab >> shift) & 1);
+  const int32_t normal = std::min((rounded >> shift) - ((127 - F::bias) << F::mb), F::code_max);
+  const int32_t sub = static_cast<int32_t>((std::min(a, F::min_normal) * F::sub_scale + 8388608.0f) - 8388608.0f);
+  return static_cast<uint32_t>(a < F::min_normal ? sub : normal);
 }
 
 // reference.scale_exponent: ceil(log2(ymax / max)) from ymax's bits.
@@ -129,107 +189,155 @@ struct Step {
   int dre, k_min, k_max, k_one;
 };
 
-// Per-group scratch, reused across the groups of one call.
-struct Scratch {
-  std::vector<float> p, g, m, v, a, t;
-  explicit Scratch(int64_t n) : p(n), g(n), m(n), v(n), a(n), t(n) {}
+// One FP8 moment's per-group values for a batch: log2 of the stored centres (decoding), then
+// the new range, k, centre, log2 centre and scale exponent (encoding).
+struct GroupVals {
+  std::vector<float> lc_in, amax, amin, lmax, lmin, sq, kf, center, lc, ymax;
+  std::vector<int32_t> sexp;
+  explicit GroupVals(int64_t b)
+      : lc_in(b), amax(b), amin(b), lmax(b), lmin(b), sq(2 * b), kf(b), center(b), lc(b), ymax(b), sexp(b) {}
 };
 
-inline float lane0(const Vec& v) {
-  float out[Vec::size()];
-  v.store(out);
-  return out[0];
-}
+// A batch's scratch, reused across the batches of one call: group j's elements at j * G.
+struct Scratch {
+  std::vector<float> g, m, v, d;
+  std::vector<int32_t> idx;
+  std::vector<uint8_t> ok;
+  GroupVals gm, gv;
+  Scratch(int64_t b, int64_t G) : g(b * G), m(b * G), v(b * G), d(b * G), idx(G), ok(b), gm(b), gv(b) {}
+};
 
-// reference._dequantize_grouped on one group.
-template <int FMT> void dequantize(const Moment& mo, int64_t gi, int64_t off, int64_t n, float* __restrict out,
-                                   float* __restrict q) {
-  decode<FMT>(static_cast<const uint8_t*>(mo.data) + off, q, n);
-  const Vec scale(pow2i(mo.sexp[gi]));
+// reference._dequantize_grouped on one group; lc = log2(its centre), idx: n ints of scratch.
+template <int FMT> void dequantize(const Moment& mo, int64_t gi, int64_t off, int64_t n, float lc,
+                                   float* __restrict out, int32_t* __restrict idx) {
+  const uint8_t* __restrict codes = static_cast<const uint8_t*>(mo.data) + off;
+  for (int64_t i = 0; i < n; ++i) idx[i] = codes[i] & 0x7F;
+  const float* rows = log2_rows<FMT>() + (static_cast<int32_t>(mo.sexp[gi]) + 128) * 128;
   const Vec inv_k(static_cast<float>(16) / static_cast<float>(mo.kcode[gi]));
-  const float c = mo.center[gi];
-  const Vec center(c), lc(lane0(Vec(c).log2())), zero(0.0f), fmax(kFloatMax);
+  const Vec center(mo.center[gi]), vlc(lc), zero(0.0f), fmax(kFloatMax);
   for (int64_t i = 0; i < n; i += Vec::size()) {
-    int64_t cnt = std::min<int64_t>(Vec::size(), n - i);
-    Vec qv = Vec::loadu(q + i, cnt);
-    Vec t = (qv.abs() * scale).log2() * inv_k;
-    Vec a = Vec::blendv((t + lc).exp2(), center, t == zero);
-    a = at::vec::minimum(a, fmax);
-    Vec::blendv(a, a.neg(), qv < zero).store(out + i, cnt);
+    const int64_t cnt = std::min<int64_t>(Vec::size(), n - i);
+    const Vec t = at::vec::gather<sizeof(float)>(rows, at::vec::Vectorized<int32_t>::loadu(idx + i, cnt)) * inv_k;
+    // t == 0 (magnitude 1 after scaling) is the centre exactly; code 0 gives t = -inf, 0.
+    at::vec::minimum(Vec::blendv((t + vlc).exp2(), center, t == zero), fmax).store(out + i, cnt);
   }
+  for (int64_t i = 0; i < n; ++i) out[i] = codes[i] > 0x80 ? -out[i] : out[i];  // code 0x80 (-0) gives +0
 }
 
-// reference._quantize_grouped on one group of finite values x[0..n).
-template <int FMT> void quantize(const Moment& mo, const Step& s, int64_t gi, int64_t off, int64_t n,
-                                 const float* __restrict x, float* __restrict q) {
-  using F = Fp8<FMT>;
-  const Vec zero(0.0f), inf(std::numeric_limits<float>::infinity());
-  Vec vmax = zero, vmin = inf;
-  for (int64_t i = 0; i < n; i += Vec::size()) {
-    int64_t cnt = std::min<int64_t>(Vec::size(), n - i);
-    Vec a = Vec::loadu(x + i, cnt).abs();
-    vmax = at::vec::maximum(vmax, a);
-    vmin = at::vec::minimum(vmin, Vec::blendv(inf, a, a > zero));
-  }
-  float hi[Vec::size()], lo[Vec::size()];
-  vmax.store(hi);
-  vmin.store(lo);
-  float amax = hi[0], amin = lo[0];
-  for (int l = 1; l < Vec::size(); ++l) {
-    amax = std::max(amax, hi[l]);
-    amin = std::min(amin, lo[l]);
-  }
-  bool nonzero = amax > 0.0f;
-  float lg[2] = {amax, amin};
-  vlog2(lg, 2);
-  float lmax = lg[0], kf, center;
+// reference._quantize_grouped's per-group decisions for groups [0, nb) of a batch from their
+// amax / amin (0 / inf for a group of zeros), in its float32 operations.
+template <int FMT> void decide(const Moment& mo, const Step& s, int64_t nb, GroupVals& w) {
+  std::copy_n(w.amax.data(), nb, w.lmax.data());
+  vlog2(w.lmax.data(), nb);
   if (s.dre) {
-    float log2r = lmax - lg[1];
-    kf = log2r > 0.0f ? std::floor(mo.dre_num / log2r) : static_cast<float>(s.k_max);
-    kf = std::min(std::max(kf, static_cast<float>(s.k_min)), static_cast<float>(s.k_max));
-    float sq[2] = {amax, amin};
-    vsqrt(sq, 2);
-    center = amax == amin ? amax : sq[0] * sq[1];
-  } else {
-    kf = static_cast<float>(s.k_one);
-    center = amax;
+    std::copy_n(w.amin.data(), nb, w.lmin.data());
+    vlog2(w.lmin.data(), nb);
+    std::copy_n(w.amax.data(), nb, w.sq.data());
+    std::copy_n(w.amin.data(), nb, w.sq.data() + nb);
+    vsqrt(w.sq.data(), w.sq.data(), 2 * nb);
   }
-  if (!nonzero) {
-    kf = static_cast<float>(s.k_one);
-    center = 1.0f;
+  for (int64_t j = 0; j < nb; ++j) {
+    const float amax = w.amax[j], amin = w.amin[j];
+    float kf, center;
+    if (s.dre) {
+      const float log2r = w.lmax[j] - w.lmin[j];
+      kf = log2r > 0.0f ? std::floor(mo.dre_num / log2r) : static_cast<float>(s.k_max);
+      kf = std::min(std::max(kf, static_cast<float>(s.k_min)), static_cast<float>(s.k_max));
+      center = amax == amin ? amax : w.sq[j] * w.sq[nb + j];
+    } else {
+      kf = static_cast<float>(s.k_one);
+      center = amax;
+    }
+    if (!(amax > 0.0f)) {
+      kf = static_cast<float>(s.k_one);
+      center = 1.0f;
+    }
+    w.kf[j] = kf;
+    w.center[j] = center;
   }
-  const float lc = lane0(Vec(center).log2());
-  const float k = kf / static_cast<float>(s.k_one);
-  const float ymax = nonzero ? lane0(Vec(k * (lmax - lc)).exp2()) : 1.0f;
-  const int32_t sexp = nonzero ? scale_exponent<FMT>(ymax) : 0;
-  const Vec vk(k), vlc(lc), inv_scale(pow2i(-sexp)), vfmax(F::max), vmin_sub(F::min_sub);
-  const bool floor_sub = s.dre && nonzero;
-  for (int64_t i = 0; i < n; i += Vec::size()) {
-    int64_t cnt = std::min<int64_t>(Vec::size(), n - i);
-    Vec xv = Vec::loadu(x + i, cnt);
-    Vec a = xv.abs();
-    Vec pos = a > zero;
-    Vec y = Vec::blendv(zero, (vk * (a.log2() - vlc)).exp2(), pos);
-    Vec qv = at::vec::minimum(y * inv_scale, vfmax);
-    if (floor_sub) qv = Vec::blendv(qv, at::vec::maximum(qv, vmin_sub), pos);
-    Vec::blendv(qv, qv.neg(), xv < zero).store(q + i, cnt);
+  std::copy_n(w.center.data(), nb, w.lc.data());
+  vlog2(w.lc.data(), nb);
+  for (int64_t j = 0; j < nb; ++j) w.ymax[j] = (w.kf[j] / static_cast<float>(s.k_one)) * (w.lmax[j] - w.lc[j]);
+  vexp2(w.ymax.data(), nb);
+  for (int64_t j = 0; j < nb; ++j) {
+    const bool nonzero = w.amax[j] > 0.0f;
+    w.sexp[j] = nonzero ? scale_exponent<FMT>(w.ymax[j]) : 0;
   }
-  encode<FMT>(q, static_cast<uint8_t*>(mo.data) + off, n);
-  mo.center[gi] = center;
-  mo.kcode[gi] = static_cast<uint8_t>(kf);
-  mo.sexp[gi] = static_cast<int8_t>(sexp);
 }
 
-void moment_in(const Moment& mo, int64_t gi, int64_t off, int64_t n, float* out, float* tmp) {
-  if (mo.fmt == 0) return dequantize<0>(mo, gi, off, n, out, tmp);
-  if (mo.fmt == 1) return dequantize<1>(mo, gi, off, n, out, tmp);
+// reference._quantize_grouped's elementwise part on group j of a batch (finite x[0..n)).
+template <int FMT> void quantize(const Moment& mo, const Step& s, const GroupVals& w, int64_t j, int64_t gi,
+                                 int64_t off, int64_t n, const float* __restrict x) {
+  using F = Fp8<FMT>;
+  uint8_t* __restrict out = static_cast<uint8_t*>(mo.data) + off;
+  const float k = w.kf[j] / static_cast<float>(s.k_one), lc = w.lc[j];
+  const int32_t neg_sexp = -w.sexp[j];
+  // Below the format's range (a group wider than range / k): the smallest code, not 0.
+  const float floor_q = s.dre && w.amax[j] > 0.0f ? F::min_sub : 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    // Computed for every element and selected after (zeros give finite junk): a conditional
+    // op would keep the loop from vectorizing.
+    const float v = x[i], a = std::fabs(v);
+    const float q = std::max(std::min(exp2_scaled(k * (log2_poly(a) - lc), neg_sexp), F::max), floor_q);
+    out[i] = static_cast<uint8_t>(encode_mag<FMT>(a > 0.0f ? q : 0.0f) | (v < 0.0f ? 0x80u : 0u));
+  }
+  mo.center[gi] = w.center[j];
+  mo.kcode[gi] = static_cast<uint8_t>(w.kf[j]);
+  mo.sexp[gi] = static_cast<int8_t>(w.sexp[j]);
+}
+
+void moment_in(const Moment& mo, int64_t gi, int64_t off, int64_t n, float lc, float* out, int32_t* idx) {
+  if (mo.fmt == 0) return dequantize<0>(mo, gi, off, n, lc, out, idx);
+  if (mo.fmt == 1) return dequantize<1>(mo, gi, off, n, lc, out, idx);
   std::memcpy(out, static_cast<const float*>(mo.data) + off, n * sizeof(float));
 }
 
-void moment_out(const Moment& mo, const Step& s, int64_t gi, int64_t off, int64_t n, const float* x, Scratch& w) {
-  if (mo.fmt == 0) return quantize<0>(mo, s, gi, off, n, x, w.t.data());
-  if (mo.fmt == 1) return quantize<1>(mo, s, gi, off, n, x, w.t.data());
-  std::memcpy(static_cast<float*>(mo.data) + off, x, n * sizeof(float));
+// The range of each stepped group of a batch (x: group j at j * G); other groups get 0 / inf.
+void ranges(const float* x, const Scratch& w, int64_t nb, int64_t G, const int64_t* len, GroupVals& gv) {
+  const Vec zero(0.0f), inf(std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < nb; ++j) {
+    Vec vmax = zero, vmin = inf;
+    for (int64_t i = 0; w.ok[j] && i < len[j]; i += Vec::size()) {
+      Vec a = Vec::loadu(x + j * G + i, std::min<int64_t>(Vec::size(), len[j] - i)).abs();
+      vmax = at::vec::maximum(vmax, a);
+      vmin = at::vec::minimum(vmin, Vec::blendv(inf, a, a > zero));
+    }
+    float hi[Vec::size()], lo[Vec::size()];
+    vmax.store(hi);
+    vmin.store(lo);
+    float amax = hi[0], amin = lo[0];
+    for (int l = 1; l < Vec::size(); ++l) {
+      amax = std::max(amax, hi[l]);
+      amin = std::min(amin, lo[l]);
+    }
+    gv.amax[j] = amax;
+    gv.amin[j] = amin;
+  }
+}
+
+void moment_out(const Moment& mo, const Step& s, const Scratch& w, GroupVals& gv, const float* x, int64_t g0,
+                int64_t nb, const int64_t* off, const int64_t* len) {
+  const int64_t G = s.group_size;
+  if (mo.fmt < 0) {
+    for (int64_t j = 0; j < nb; ++j) {
+      if (w.ok[j]) std::memcpy(static_cast<float*>(mo.data) + off[j], x + j * G, len[j] * sizeof(float));
+    }
+    return;
+  }
+  ranges(x, w, nb, G, len, gv);
+  if (mo.fmt == 0) decide<0>(mo, s, nb, gv); else decide<1>(mo, s, nb, gv);
+  for (int64_t j = 0; j < nb; ++j) {
+    if (!w.ok[j]) continue;
+    if (mo.fmt == 0) quantize<0>(mo, s, gv, j, g0 + j, off[j], len[j], x + j * G);
+    else quantize<1>(mo, s, gv, j, g0 + j, off[j], len[j], x + j * G);
+  }
+}
+
+// log2 of the stored centres of groups [g0, g0 + nb) of an FP8 moment (SLEEF, as the reference).
+void centre_logs(const Moment& mo, int64_t g0, int64_t nb, GroupVals& gv) {
+  if (mo.fmt < 0) return;
+  std::copy_n(mo.center + g0, nb, gv.lc_in.data());
+  vlog2(gv.lc_in.data(), nb);
 }
 
 inline float load(const float* p, int64_t i) { return p[i]; }
@@ -257,43 +365,54 @@ inline bool all_finite(const float* x, int64_t n) {
 
 template <typename PT, typename GT>
 int64_t run(PT* param, const GT* grad, const Moment& mm, const Moment& mv, const Step& s, int64_t g0, int64_t g1) {
-  const int64_t G = s.group_size;
-  Scratch w(G);
-  float *P = w.p.data(), *Gr = w.g.data(), *M = w.m.data(), *V = w.v.data();
+  const int64_t G = s.group_size, B = std::max<int64_t>(1, kBatchElems / G);
+  Scratch w(B, G);
+  std::vector<int64_t> off(B), len(B);
   int64_t skipped = 0;
-  for (int64_t gi = g0; gi < g1; ++gi) {
-    int64_t r = gi / s.groups_per_row, j = gi % s.groups_per_row;
-    float step_size = s.step_size, inv_bc2_sqrt = s.inv_bc2_sqrt;
-    if (s.skips != nullptr && s.skips[gi] > 0) {
-      const float n_steps = s.step - static_cast<float>(s.skips[gi]);
-      float pw[2] = {n_steps * s.log2_beta1, n_steps * s.log2_beta2};
-      vexp2(pw, 2);
-      step_size = s.lr / (1.0f - pw[0]);
-      inv_bc2_sqrt = 1.0f / std::sqrt(1.0f - pw[1]);
+  for (int64_t b0 = g0; b0 < g1; b0 += B) {
+    const int64_t nb = std::min(B, g1 - b0);
+    centre_logs(mm, b0, nb, w.gm);
+    centre_logs(mv, b0, nb, w.gv);
+    for (int64_t j = 0; j < nb; ++j) {
+      const int64_t gi = b0 + j, r = gi / s.groups_per_row, c = gi % s.groups_per_row;
+      off[j] = r * s.cols + c * G;
+      len[j] = std::min(G, s.cols - c * G);
+      const int64_t o = off[j], n = len[j];
+      float *Gr = w.g.data() + j * G, *M = w.m.data() + j * G, *V = w.v.data() + j * G;
+      for (int64_t i = 0; i < n; ++i) Gr[i] = load(grad, o + i);
+      moment_in(mm, gi, o, n, w.gm.lc_in[j], M, w.idx.data());
+      moment_in(mv, gi, o, n, w.gv.lc_in[j], V, w.idx.data());
+      for (int64_t i = 0; i < n; ++i) {
+        M[i] = s.beta1 * M[i] + s.one_minus_beta1 * Gr[i];
+        V[i] = s.beta2 * V[i] + s.one_minus_beta2 * (Gr[i] * Gr[i]);
+      }
+      w.ok[j] = all_finite(Gr, n) && all_finite(M, n) && all_finite(V, n);
+      if (!w.ok[j]) {
+        ++skipped;  // the group keeps its parameter and both moments
+        if (s.skips != nullptr) ++s.skips[gi];
+      }
     }
-    int64_t off = r * s.cols + j * G, n = std::min(G, s.cols - j * G);
-    for (int64_t i = 0; i < n; ++i) Gr[i] = load(grad, off + i);
-    moment_in(mm, gi, off, n, M, w.t.data());
-    moment_in(mv, gi, off, n, V, w.t.data());
-    for (int64_t i = 0; i < n; ++i) {
-      M[i] = s.beta1 * M[i] + s.one_minus_beta1 * Gr[i];
-      V[i] = s.beta2 * V[i] + s.one_minus_beta2 * (Gr[i] * Gr[i]);
+    // One MKL call for the batch; groups shorter than G leave stale (ignored) floats behind.
+    vsqrt(w.v.data(), w.d.data(), nb * G);
+    for (int64_t j = 0; j < nb; ++j) {
+      if (!w.ok[j]) continue;
+      const int64_t gi = b0 + j, o = off[j], n = len[j];
+      float step_size = s.step_size, inv_bc2_sqrt = s.inv_bc2_sqrt;
+      if (s.skips != nullptr && s.skips[gi] > 0) {
+        const float n_steps = s.step - static_cast<float>(s.skips[gi]);
+        float pw[2] = {n_steps * s.log2_beta1, n_steps * s.log2_beta2};
+        vexp2(pw, 2);
+        step_size = s.lr / (1.0f - pw[0]);
+        inv_bc2_sqrt = 1.0f / std::sqrt(1.0f - pw[1]);
+      }
+      const float *M = w.m.data() + j * G, *D = w.d.data() + j * G;
+      for (int64_t i = 0; i < n; ++i) {
+        const float denom = D[i] * inv_bc2_sqrt + s.eps;
+        store(param, o + i, load(param, o + i) * s.decay - step_size * (M[i] / denom));
+      }
     }
-    if (!(all_finite(Gr, n) && all_finite(M, n) && all_finite(V, n))) {
-      ++skipped;  // the group keeps its parameter and both moments
-      if (s.skips != nullptr) ++s.skips[gi];
-      continue;
-    }
-    float* D = w.t.data();
-    std::memcpy(D, V, n * sizeof(float));
-    vsqrt(D, n);
-    for (int64_t i = 0; i < n; ++i) {
-      float denom = D[i] * inv_bc2_sqrt + s.eps;
-      P[i] = load(param, off + i) * s.decay - step_size * (M[i] / denom);
-    }
-    for (int64_t i = 0; i < n; ++i) store(param, off + i, P[i]);
-    moment_out(mm, s, gi, off, n, M, w);
-    moment_out(mv, s, gi, off, n, V, w);
+    moment_out(mm, s, w, w.gm, w.m.data(), b0, nb, off.data(), len.data());
+    moment_out(mv, s, w, w.gv, w.v.data(), b0, nb, off.data(), len.data());
   }
   return skipped;
 }
