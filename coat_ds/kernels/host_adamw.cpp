@@ -76,13 +76,12 @@ void vsqrt(const float* x, float* out, int64_t n) {
 // their ranges), evaluated with explicit fused multiply-adds: the reference's ops are not
 // mirrored here, only its values to ~1 ulp. Branch-free so that the loops vectorize.
 
-// 2**x * 2**e for x in [-inf, 160] and integer e: 2**(n + e) * p(x - n), n = round(x), p a
+// 2**x * 2**e for finite |x| < 2**22 and integer e: 2**(n + e) * p(x - n), n = round(x), p a
 // degree-6 fit to 2**r on [-1/2, 1/2] (relative error 2e-9; p(0) = 1, so integer x is exact).
 // The reference scales exp2's float result by 2**e exactly, which is this where both are
 // normal; n + e is clamped to [-127, 128]: 0 below (the reference's would be under 2**-126,
 // below any FP8 code), inf above.
 inline float exp2_scaled(float x, int32_t e) {
-  x = std::min(std::max(x, -160.0f), 160.0f);
   const float n = (x + 12582912.0f) - 12582912.0f;  // 1.5 * 2**23: rounds |x| < 2**22 to an integer
   const float r = x - n;
   float p = std::fma(1.535336e-04f, r, 1.3398875e-03f);
@@ -292,29 +291,6 @@ void moment_in(const Moment& mo, int64_t gi, int64_t off, int64_t n, float lc, f
   std::memcpy(out, static_cast<const float*>(mo.data) + off, n * sizeof(float));
 }
 
-// The range of each stepped group of a batch (x: group j at j * G); other groups get 0 / inf.
-void ranges(const float* x, const Scratch& w, int64_t nb, int64_t G, const int64_t* len, GroupVals& gv) {
-  const Vec zero(0.0f), inf(std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j < nb; ++j) {
-    Vec vmax = zero, vmin = inf;
-    for (int64_t i = 0; w.ok[j] && i < len[j]; i += Vec::size()) {
-      Vec a = Vec::loadu(x + j * G + i, std::min<int64_t>(Vec::size(), len[j] - i)).abs();
-      vmax = at::vec::maximum(vmax, a);
-      vmin = at::vec::minimum(vmin, Vec::blendv(inf, a, a > zero));
-    }
-    float hi[Vec::size()], lo[Vec::size()];
-    vmax.store(hi);
-    vmin.store(lo);
-    float amax = hi[0], amin = lo[0];
-    for (int l = 1; l < Vec::size(); ++l) {
-      amax = std::max(amax, hi[l]);
-      amin = std::min(amin, lo[l]);
-    }
-    gv.amax[j] = amax;
-    gv.amin[j] = amin;
-  }
-}
-
 void moment_out(const Moment& mo, const Step& s, const Scratch& w, GroupVals& gv, const float* x, int64_t g0,
                 int64_t nb, const int64_t* off, const int64_t* len) {
   const int64_t G = s.group_size;
@@ -324,7 +300,6 @@ void moment_out(const Moment& mo, const Step& s, const Scratch& w, GroupVals& gv
     }
     return;
   }
-  ranges(x, w, nb, G, len, gv);
   if (mo.fmt == 0) decide<0>(mo, s, nb, gv); else decide<1>(mo, s, nb, gv);
   for (int64_t j = 0; j < nb; ++j) {
     if (!w.ok[j]) continue;
@@ -349,19 +324,10 @@ inline void store(uint16_t* p, int64_t i, float x) {
   p[i] = std::isnan(x) ? 0x7FC0 : static_cast<uint16_t>((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
 }
 
-// x * 0 is NaN exactly for inf and NaN, and NaN survives the sum.
-inline bool all_finite(const float* x, int64_t n) {
-  Vec acc(0.0f);
-  const Vec zero(0.0f);
-  for (int64_t i = 0; i < n; i += Vec::size()) {
-    acc = acc + Vec::loadu(x + i, std::min<int64_t>(Vec::size(), n - i)) * zero;
-  }
-  float lanes[Vec::size()];
-  acc.store(lanes);
-  float sum = 0.0f;
-  for (int l = 0; l < Vec::size(); ++l) sum += lanes[l];
-  return sum == 0.0f;
-}
+// Magnitude bits of a float: for finite values ordered as the magnitudes are, so a group's
+// range and finiteness are integer reductions, which vectorize (float max/min do not
+// without fast-math).
+constexpr uint32_t kAbsMask = 0x7FFFFFFFu, kExpMask = 0x7F800000u;
 
 template <typename PT, typename GT>
 int64_t run(PT* param, const GT* grad, const Moment& mm, const Moment& mv, const Step& s, int64_t g0, int64_t g1) {
@@ -382,11 +348,31 @@ int64_t run(PT* param, const GT* grad, const Moment& mm, const Moment& mv, const
       for (int64_t i = 0; i < n; ++i) Gr[i] = load(grad, o + i);
       moment_in(mm, gi, o, n, w.gm.lc_in[j], M, w.idx.data());
       moment_in(mv, gi, o, n, w.gv.lc_in[j], V, w.idx.data());
+      // Also the largest magnitude of each (as bits: a non-finite value's are >= the exponent
+      // mask) and each moment's smallest nonzero magnitude, less one (0 wraps to ~0u: none).
+      uint32_t gmax = 0, mmax = 0, mmin = ~0u, vmax = 0, vmin = ~0u;
+      const float b1 = s.beta1, c1 = s.one_minus_beta1, b2 = s.beta2, c2 = s.one_minus_beta2;
+      float *__restrict Mr = M, *__restrict Vr = V;
+      const float* __restrict Gc = Gr;
       for (int64_t i = 0; i < n; ++i) {
-        M[i] = s.beta1 * M[i] + s.one_minus_beta1 * Gr[i];
-        V[i] = s.beta2 * V[i] + s.one_minus_beta2 * (Gr[i] * Gr[i]);
+        const float g = Gc[i];
+        const float mi = b1 * Mr[i] + c1 * g;
+        const float vi = b2 * Vr[i] + c2 * (g * g);
+        Mr[i] = mi;
+        Vr[i] = vi;
+        const uint32_t gb = bits_of(g) & kAbsMask, mb = bits_of(mi) & kAbsMask, vb = bits_of(vi) & kAbsMask;
+        gmax = std::max(gmax, gb);
+        mmax = std::max(mmax, mb);
+        vmax = std::max(vmax, vb);
+        mmin = std::min(mmin, mb - 1u);
+        vmin = std::min(vmin, vb - 1u);
       }
-      w.ok[j] = all_finite(Gr, n) && all_finite(M, n) && all_finite(V, n);
+      // No nonzero element: amin = inf, as the reference's min over a > 0 gives.
+      w.gm.amax[j] = float_of(mmax);
+      w.gm.amin[j] = mmin == ~0u ? std::numeric_limits<float>::infinity() : float_of(mmin + 1u);
+      w.gv.amax[j] = float_of(vmax);
+      w.gv.amin[j] = vmin == ~0u ? std::numeric_limits<float>::infinity() : float_of(vmin + 1u);
+      w.ok[j] = std::max(gmax, std::max(mmax, vmax)) < kExpMask;
       if (!w.ok[j]) {
         ++skipped;  // the group keeps its parameter and both moments
         if (s.skips != nullptr) ++s.skips[gi];
