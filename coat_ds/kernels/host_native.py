@@ -3,13 +3,14 @@
 The library is built on first use with torch's extension builder (g++, as DeepSpeed builds
 its CPU Adam) for the SIMD level torch itself dispatches to on this CPU, so its vector
 log2/exp2 are the ones torch.log2/torch.exp2 run. The build is cached by torch under
-TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions) and reused by later processes. If it
-fails (no compiler, no headers), one log line says so and the host step keeps the chunked
-torch reference. ctypes releases the GIL for each call, so threads run ranges in parallel.
+TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), one folder per SIMD level and
+source version, and reused by later processes. If it fails (no compiler, no headers), one
+log line says so and the host step keeps the chunked torch reference. ctypes releases the GIL for each call, so threads run ranges in parallel.
 """
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
 import os
 import threading
@@ -45,8 +46,11 @@ def _build() -> ctypes.CDLL:
 
     cap = torch.backends.cpu.get_cpu_capability()
     simd = _SIMD.get(cap, ["-DCPU_CAPABILITY=DEFAULT"])
-    path = load(name=f"coat_ds_host_adamw_{cap.lower()}", sources=[str(_SOURCE)], extra_cflags=_COMMON + simd,
-                is_python_module=False, verbose=False)
+    # The source's hash in the name: two versions of coat_ds on one machine (or checkouts
+    # run side by side) keep their own builds instead of rebuilding over each other's.
+    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+    path = load(name=f"coat_ds_host_adamw_{cap.lower()}_{digest}", sources=[str(_SOURCE)],
+                extra_cflags=_COMMON + simd, is_python_module=False, verbose=False)
     lib = ctypes.CDLL(path)
     fn = lib.coat_host_adamw_step
     fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int64
