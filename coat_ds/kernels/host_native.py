@@ -26,6 +26,7 @@ __all__ = ["library", "slot_args", "step_consts", "step_range", "DISABLE_ENV"]
 # Set to 1 to skip the build and run the chunked torch reference (benchmarks, debugging).
 DISABLE_ENV = "COAT_DS_HOST_KERNEL_DISABLE"
 _SOURCE = Path(__file__).with_name("host_adamw.cpp")
+_HEADER = Path(__file__).with_name("host_fp8.h")  # included by the source; torch tracks only sources
 # -ffp-contract=off: no fused multiply-adds, which would round unlike the reference's ops.
 _COMMON = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-DNDEBUG"]
 _SIMD = {
@@ -46,9 +47,10 @@ def _build() -> ctypes.CDLL:
 
     cap = torch.backends.cpu.get_cpu_capability()
     simd = _SIMD.get(cap, ["-DCPU_CAPABILITY=DEFAULT"])
-    # The source's hash in the name: two versions of coat_ds on one machine (or checkouts
-    # run side by side) keep their own builds instead of rebuilding over each other's.
-    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+    # The sources' hash in the name: two versions of coat_ds on one machine (or checkouts
+    # run side by side) keep their own builds instead of rebuilding over each other's, and an
+    # edit of the header alone still rebuilds.
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in (_SOURCE, _HEADER))).hexdigest()[:12]
     path = load(name=f"coat_ds_host_adamw_{cap.lower()}_{digest}", sources=[str(_SOURCE)],
                 extra_cflags=_COMMON + simd, is_python_module=False, verbose=False)
     lib = ctypes.CDLL(path)
