@@ -1,10 +1,17 @@
 // The host AdamW step with FP8 (DRE) or FP32 moments, fused per quantization group: the
 // CPU counterpart of kernels/adamw.py, computing what reference.adamw_step (the oracle)
-// computes, in the same float32 operations and order. log2/exp2 go through ATen's
-// Vectorized<float> (SLEEF, as torch.log2/torch.exp2 do) and sqrt through MKL where torch
-// uses it, so results match the reference bit for bit except where torch itself takes a
-// scalar libm exp2 (loop tails). Built with -ffp-contract=off: a fused multiply-add would
-// round differently from the reference's separate ops.
+// computes.
+//
+// Bit for bit the reference's: the AdamW arithmetic in its float32 operations and order
+// (sqrt through MKL where torch uses it), so FP32 moments and their parameters; every
+// per-group decision (range, k, centre, scale), with ATen's Vectorized<float> log2/exp2
+// (SLEEF, as torch.log2/torch.exp2) batched over a few thousand elements; and decoding of
+// FP8 moments (log2 of each magnitude from a table, then SLEEF's exp2). Not bit for bit, by
+// design: encoding's per-element log2 and exp2 are our own polynomials (host_fp8.h), ~1 ulp
+// from SLEEF's, so a code differs only where that ulp moves a value across a rounding
+// midpoint (tests/test_host_kernel.py measures how often). SLEEF's per-element calls were
+// ~45 % of the step before. Built with -ffp-contract=off: a fused multiply-add would round
+// differently from the reference's separate ops (the polynomials call std::fma themselves).
 //
 // Plain C ABI, called through ctypes (which releases the GIL): Python passes raw pointers
 // of contiguous tensors and a range of groups; each call writes only its own groups, so
@@ -12,6 +19,8 @@
 // in `hyper`; a per-group input (say, bias corrections for groups that skipped steps) is one
 // more pointer read at `gi`, next to the centre and exponents.
 #include <ATen/cpu/vec/vec.h>
+
+#include "host_fp8.h"
 
 #include <algorithm>
 #include <cmath>
@@ -33,13 +42,10 @@ namespace {
 
 // VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE, the mode ATen's vml.h passes.
 constexpr long long kVmlMode = 0x2 | 0x140000 | 0x100;
-
-using Vec = at::vec::Vectorized<float>;
-constexpr float kFloatMax = std::numeric_limits<float>::max();
-
-inline uint32_t bits_of(float x) { uint32_t b; std::memcpy(&b, &x, 4); return b; }
-inline float float_of(uint32_t b) { float x; std::memcpy(&x, &b, 4); return x; }
-inline float pow2i(int32_t e) { return float_of(static_cast<uint32_t>(e + 127) << 23); }
+// Groups are stepped in batches of about this many elements, so that the per-group scalar
+// work (SLEEF and MKL calls on a few values) runs once per batch on arrays: called per group,
+// it cost ~10 % of the step. Four FP32 arrays of a batch stay in L2.
+constexpr int64_t kBatchElems = 4096;
 
 void vlog2(float* x, int64_t n) {
   int64_t i = 0;
@@ -53,60 +59,12 @@ void vexp2(float* x, int64_t n) {
   if (i < n) Vec::loadu(x + i, n - i).exp2().store(x + i, n - i);
 }
 
-void vsqrt(float* x, int64_t n) {
+void vsqrt(const float* x, float* out, int64_t n) {
   if (vmsSqrt != nullptr) {
-    vmsSqrt(static_cast<int>(n), x, x, kVmlMode);
+    vmsSqrt(static_cast<int>(n), x, out, kVmlMode);
     return;
   }
-  for (int64_t i = 0; i < n; ++i) x[i] = std::sqrt(x[i]);
-}
-
-// FP8 formats as compile-time constants (0 = E4M3, 1 = E5M2, as the reference's Fp8Format.id),
-// so the code loops vectorize with constant shifts.
-template <int FMT> struct Fp8;
-template <> struct Fp8<0> {
-  static constexpr int mb = 3, bias = 7, code_max = 0x7E, log2_max = 8;
-  static constexpr float max = 448.0f, min_sub = 0.001953125f, min_normal = 0.015625f, sub_scale = 512.0f;
-};
-template <> struct Fp8<1> {
-  static constexpr int mb = 2, bias = 15, code_max = 0x7B, log2_max = 15;
-  static constexpr float max = 57344.0f, min_sub = 1.52587890625e-05f, min_normal = 6.103515625e-05f,
-                         sub_scale = 65536.0f;
-};
-
-// FP8 code -> float32 in integer operations (no NaN/inf codes are ever written).
-template <int FMT> void decode(const uint8_t* __restrict codes, float* __restrict out, int64_t n) {
-  using F = Fp8<FMT>;
-  for (int64_t i = 0; i < n; ++i) {
-    // Branch-free (selects by mask) so that the loop vectorizes.
-    uint32_t c = codes[i], mag = c & 0x7F, e = mag >> F::mb, man = mag & ((1u << F::mb) - 1);
-    uint32_t normal = ((e + 127 - F::bias) << 23) | (man << (23 - F::mb));
-    uint32_t sub = bits_of(static_cast<float>(man) * F::min_sub);
-    uint32_t is_normal = 0u - static_cast<uint32_t>(e != 0);
-    out[i] = float_of((normal & is_normal) | (sub & ~is_normal) | ((c & 0x80) << 24));
-  }
-}
-
-// Saturating round-to-nearest-even encode of |x| <= max, sign bit copied from x (-0.0 too),
-// in integer operations (the same as kernels/codec.py's software encode).
-template <int FMT> void encode(const float* __restrict x, uint8_t* __restrict out, int64_t n) {
-  using F = Fp8<FMT>;
-  constexpr int shift = 23 - F::mb;
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t xb = bits_of(x[i]), ab = xb & 0x7FFFFFFFu;
-    float a = float_of(ab);
-    int32_t rounded = static_cast<int32_t>(ab) + ((1 << (shift - 1)) - 1) + static_cast<int32_t>((ab >> shift) & 1);
-    int32_t normal = std::min((rounded >> shift) - ((127 - F::bias) << F::mb), F::code_max);
-    int32_t sub = static_cast<int32_t>((std::min(a, F::min_normal) * F::sub_scale + 8388608.0f) - 8388608.0f);
-    int32_t code = a < F::min_normal ? sub : normal;
-    out[i] = static_cast<uint8_t>(code | static_cast<int32_t>((xb >> 24) & 0x80));
-  }
-}
-
-// reference.scale_exponent: ceil(log2(ymax / max)) from ymax's bits.
-template <int FMT> int32_t scale_exponent(float ymax) {
-  uint32_t b = bits_of(ymax);
-  return static_cast<int32_t>((b >> 23) & 0xFF) - (127 + Fp8<FMT>::log2_max) + ((b & 0x7FFFFF) > 0x600000 ? 1 : 0);
+  for (int64_t i = 0; i < n; ++i) out[i] = std::sqrt(x[i]);
 }
 
 // One moment's storage: FP32 values (fmt < 0) or FP8 codes with per-group metadata.
@@ -129,107 +87,129 @@ struct Step {
   int dre, k_min, k_max, k_one;
 };
 
-// Per-group scratch, reused across the groups of one call.
-struct Scratch {
-  std::vector<float> p, g, m, v, a, t;
-  explicit Scratch(int64_t n) : p(n), g(n), m(n), v(n), a(n), t(n) {}
+// One FP8 moment's per-group values for a batch: log2 of the stored centres (decoding), then
+// the new range, k, centre, log2 centre and scale exponent (encoding).
+struct GroupVals {
+  std::vector<float> lc_in, amax, amin, lmax, lmin, sq, kf, center, lc, ymax;
+  std::vector<int32_t> sexp;
+  explicit GroupVals(int64_t b)
+      : lc_in(b), amax(b), amin(b), lmax(b), lmin(b), sq(2 * b), kf(b), center(b), lc(b), ymax(b), sexp(b) {}
 };
 
-inline float lane0(const Vec& v) {
-  float out[Vec::size()];
-  v.store(out);
-  return out[0];
-}
+// A batch's scratch, reused across the batches of one call: group j's elements at j * G.
+struct Scratch {
+  std::vector<float> g, m, v, d;
+  std::vector<uint8_t> ok;
+  GroupVals gm, gv;
+  Scratch(int64_t b, int64_t G) : g(b * G), m(b * G), v(b * G), d(b * G), ok(b), gm(b), gv(b) {}
+};
 
-// reference._dequantize_grouped on one group.
-template <int FMT> void dequantize(const Moment& mo, int64_t gi, int64_t off, int64_t n, float* __restrict out,
-                                   float* __restrict q) {
-  decode<FMT>(static_cast<const uint8_t*>(mo.data) + off, q, n);
-  const Vec scale(pow2i(mo.sexp[gi]));
+// reference._dequantize_grouped on one group; lc = log2(its centre).
+template <int FMT> void dequantize(const Moment& mo, int64_t gi, int64_t off, int64_t n, float lc,
+                                   float* __restrict out) {
+  const uint8_t* __restrict codes = static_cast<const uint8_t*>(mo.data) + off;
+  const Row128 rows(log2_rows<FMT>() + (static_cast<int32_t>(mo.sexp[gi]) + 128) * 128);
   const Vec inv_k(static_cast<float>(16) / static_cast<float>(mo.kcode[gi]));
-  const float c = mo.center[gi];
-  const Vec center(c), lc(lane0(Vec(c).log2())), zero(0.0f), fmax(kFloatMax);
+  const Vec center(mo.center[gi]), vlc(lc), zero(0.0f), fmax(kFloatMax);
   for (int64_t i = 0; i < n; i += Vec::size()) {
-    int64_t cnt = std::min<int64_t>(Vec::size(), n - i);
-    Vec qv = Vec::loadu(q + i, cnt);
-    Vec t = (qv.abs() * scale).log2() * inv_k;
-    Vec a = Vec::blendv((t + lc).exp2(), center, t == zero);
-    a = at::vec::minimum(a, fmax);
-    Vec::blendv(a, a.neg(), qv < zero).store(out + i, cnt);
+    const int64_t cnt = std::min<int64_t>(Vec::size(), n - i);
+    const Vec t = rows.lookup(codes + i, cnt) * inv_k;
+    // t == 0 (magnitude 1 after scaling) is the centre exactly; code 0 gives t = -inf, 0.
+    at::vec::minimum(Vec::blendv((t + vlc).exp2(), center, t == zero), fmax).store(out + i, cnt);
   }
+  for (int64_t i = 0; i < n; ++i) out[i] = codes[i] > 0x80 ? -out[i] : out[i];  // code 0x80 (-0) gives +0
 }
 
-// reference._quantize_grouped on one group of finite values x[0..n).
-template <int FMT> void quantize(const Moment& mo, const Step& s, int64_t gi, int64_t off, int64_t n,
-                                 const float* __restrict x, float* __restrict q) {
-  using F = Fp8<FMT>;
-  const Vec zero(0.0f), inf(std::numeric_limits<float>::infinity());
-  Vec vmax = zero, vmin = inf;
-  for (int64_t i = 0; i < n; i += Vec::size()) {
-    int64_t cnt = std::min<int64_t>(Vec::size(), n - i);
-    Vec a = Vec::loadu(x + i, cnt).abs();
-    vmax = at::vec::maximum(vmax, a);
-    vmin = at::vec::minimum(vmin, Vec::blendv(inf, a, a > zero));
-  }
-  float hi[Vec::size()], lo[Vec::size()];
-  vmax.store(hi);
-  vmin.store(lo);
-  float amax = hi[0], amin = lo[0];
-  for (int l = 1; l < Vec::size(); ++l) {
-    amax = std::max(amax, hi[l]);
-    amin = std::min(amin, lo[l]);
-  }
-  bool nonzero = amax > 0.0f;
-  float lg[2] = {amax, amin};
-  vlog2(lg, 2);
-  float lmax = lg[0], kf, center;
+// reference._quantize_grouped's per-group decisions for groups [0, nb) of a batch from their
+// amax / amin (0 / inf for a group of zeros), in its float32 operations.
+template <int FMT> void decide(const Moment& mo, const Step& s, int64_t nb, GroupVals& w) {
+  std::copy_n(w.amax.data(), nb, w.lmax.data());
+  vlog2(w.lmax.data(), nb);
   if (s.dre) {
-    float log2r = lmax - lg[1];
-    kf = log2r > 0.0f ? std::floor(mo.dre_num / log2r) : static_cast<float>(s.k_max);
-    kf = std::min(std::max(kf, static_cast<float>(s.k_min)), static_cast<float>(s.k_max));
-    float sq[2] = {amax, amin};
-    vsqrt(sq, 2);
-    center = amax == amin ? amax : sq[0] * sq[1];
-  } else {
-    kf = static_cast<float>(s.k_one);
-    center = amax;
+    std::copy_n(w.amin.data(), nb, w.lmin.data());
+    vlog2(w.lmin.data(), nb);
+    std::copy_n(w.amax.data(), nb, w.sq.data());
+    std::copy_n(w.amin.data(), nb, w.sq.data() + nb);
+    vsqrt(w.sq.data(), w.sq.data(), 2 * nb);
   }
-  if (!nonzero) {
-    kf = static_cast<float>(s.k_one);
-    center = 1.0f;
+  for (int64_t j = 0; j < nb; ++j) {
+    const float amax = w.amax[j], amin = w.amin[j];
+    float kf, center;
+    if (s.dre) {
+      const float log2r = w.lmax[j] - w.lmin[j];
+      kf = log2r > 0.0f ? std::floor(mo.dre_num / log2r) : static_cast<float>(s.k_max);
+      kf = std::min(std::max(kf, static_cast<float>(s.k_min)), static_cast<float>(s.k_max));
+      center = amax == amin ? amax : w.sq[j] * w.sq[nb + j];
+    } else {
+      kf = static_cast<float>(s.k_one);
+      center = amax;
+    }
+    if (!(amax > 0.0f)) {
+      kf = static_cast<float>(s.k_one);
+      center = 1.0f;
+    }
+    w.kf[j] = kf;
+    w.center[j] = center;
   }
-  const float lc = lane0(Vec(center).log2());
-  const float k = kf / static_cast<float>(s.k_one);
-  const float ymax = nonzero ? lane0(Vec(k * (lmax - lc)).exp2()) : 1.0f;
-  const int32_t sexp = nonzero ? scale_exponent<FMT>(ymax) : 0;
-  const Vec vk(k), vlc(lc), inv_scale(pow2i(-sexp)), vfmax(F::max), vmin_sub(F::min_sub);
-  const bool floor_sub = s.dre && nonzero;
-  for (int64_t i = 0; i < n; i += Vec::size()) {
-    int64_t cnt = std::min<int64_t>(Vec::size(), n - i);
-    Vec xv = Vec::loadu(x + i, cnt);
-    Vec a = xv.abs();
-    Vec pos = a > zero;
-    Vec y = Vec::blendv(zero, (vk * (a.log2() - vlc)).exp2(), pos);
-    Vec qv = at::vec::minimum(y * inv_scale, vfmax);
-    if (floor_sub) qv = Vec::blendv(qv, at::vec::maximum(qv, vmin_sub), pos);
-    Vec::blendv(qv, qv.neg(), xv < zero).store(q + i, cnt);
+  std::copy_n(w.center.data(), nb, w.lc.data());
+  vlog2(w.lc.data(), nb);
+  for (int64_t j = 0; j < nb; ++j) w.ymax[j] = (w.kf[j] / static_cast<float>(s.k_one)) * (w.lmax[j] - w.lc[j]);
+  vexp2(w.ymax.data(), nb);
+  for (int64_t j = 0; j < nb; ++j) {
+    const bool nonzero = w.amax[j] > 0.0f;
+    w.sexp[j] = nonzero ? scale_exponent<FMT>(w.ymax[j]) : 0;
   }
-  encode<FMT>(q, static_cast<uint8_t*>(mo.data) + off, n);
-  mo.center[gi] = center;
-  mo.kcode[gi] = static_cast<uint8_t>(kf);
-  mo.sexp[gi] = static_cast<int8_t>(sexp);
 }
 
-void moment_in(const Moment& mo, int64_t gi, int64_t off, int64_t n, float* out, float* tmp) {
-  if (mo.fmt == 0) return dequantize<0>(mo, gi, off, n, out, tmp);
-  if (mo.fmt == 1) return dequantize<1>(mo, gi, off, n, out, tmp);
+// reference._quantize_grouped's elementwise part on group j of a batch (finite x[0..n)).
+template <int FMT> void quantize(const Moment& mo, const Step& s, const GroupVals& w, int64_t j, int64_t gi,
+                                 int64_t off, int64_t n, const float* __restrict x) {
+  using F = Fp8<FMT>;
+  uint8_t* __restrict out = static_cast<uint8_t*>(mo.data) + off;
+  const float k = w.kf[j] / static_cast<float>(s.k_one), lc = w.lc[j];
+  const int32_t neg_sexp = -w.sexp[j];
+  // Below the format's range (a group wider than range / k): the smallest code, not 0.
+  const float floor_q = s.dre && w.amax[j] > 0.0f ? F::min_sub : 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    // Computed for every element and selected after (zeros give finite junk): a conditional
+    // op would keep the loop from vectorizing.
+    const float v = x[i], a = std::fabs(v);
+    const float q = std::max(std::min(exp2_scaled(k * (log2_poly(a) - lc), neg_sexp), F::max), floor_q);
+    out[i] = static_cast<uint8_t>(encode_mag<FMT>(a > 0.0f ? q : 0.0f) | (v < 0.0f ? 0x80u : 0u));
+  }
+  mo.center[gi] = w.center[j];
+  mo.kcode[gi] = static_cast<uint8_t>(w.kf[j]);
+  mo.sexp[gi] = static_cast<int8_t>(w.sexp[j]);
+}
+
+void moment_in(const Moment& mo, int64_t gi, int64_t off, int64_t n, float lc, float* out) {
+  if (mo.fmt == 0) return dequantize<0>(mo, gi, off, n, lc, out);
+  if (mo.fmt == 1) return dequantize<1>(mo, gi, off, n, lc, out);
   std::memcpy(out, static_cast<const float*>(mo.data) + off, n * sizeof(float));
 }
 
-void moment_out(const Moment& mo, const Step& s, int64_t gi, int64_t off, int64_t n, const float* x, Scratch& w) {
-  if (mo.fmt == 0) return quantize<0>(mo, s, gi, off, n, x, w.t.data());
-  if (mo.fmt == 1) return quantize<1>(mo, s, gi, off, n, x, w.t.data());
-  std::memcpy(static_cast<float*>(mo.data) + off, x, n * sizeof(float));
+void moment_out(const Moment& mo, const Step& s, const Scratch& w, GroupVals& gv, const float* x, int64_t g0,
+                int64_t nb, const int64_t* off, const int64_t* len) {
+  const int64_t G = s.group_size;
+  if (mo.fmt < 0) {
+    for (int64_t j = 0; j < nb; ++j) {
+      if (w.ok[j]) std::memcpy(static_cast<float*>(mo.data) + off[j], x + j * G, len[j] * sizeof(float));
+    }
+    return;
+  }
+  if (mo.fmt == 0) decide<0>(mo, s, nb, gv); else decide<1>(mo, s, nb, gv);
+  for (int64_t j = 0; j < nb; ++j) {
+    if (!w.ok[j]) continue;
+    if (mo.fmt == 0) quantize<0>(mo, s, gv, j, g0 + j, off[j], len[j], x + j * G);
+    else quantize<1>(mo, s, gv, j, g0 + j, off[j], len[j], x + j * G);
+  }
+}
+
+// log2 of the stored centres of groups [g0, g0 + nb) of an FP8 moment (SLEEF, as the reference).
+void centre_logs(const Moment& mo, int64_t g0, int64_t nb, GroupVals& gv) {
+  if (mo.fmt < 0) return;
+  std::copy_n(mo.center + g0, nb, gv.lc_in.data());
+  vlog2(gv.lc_in.data(), nb);
 }
 
 inline float load(const float* p, int64_t i) { return p[i]; }
@@ -241,59 +221,81 @@ inline void store(uint16_t* p, int64_t i, float x) {
   p[i] = std::isnan(x) ? 0x7FC0 : static_cast<uint16_t>((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
 }
 
-// x * 0 is NaN exactly for inf and NaN, and NaN survives the sum.
-inline bool all_finite(const float* x, int64_t n) {
-  Vec acc(0.0f);
-  const Vec zero(0.0f);
-  for (int64_t i = 0; i < n; i += Vec::size()) {
-    acc = acc + Vec::loadu(x + i, std::min<int64_t>(Vec::size(), n - i)) * zero;
-  }
-  float lanes[Vec::size()];
-  acc.store(lanes);
-  float sum = 0.0f;
-  for (int l = 0; l < Vec::size(); ++l) sum += lanes[l];
-  return sum == 0.0f;
-}
+// Magnitude bits of a float: for finite values ordered as the magnitudes are, so a group's
+// range and finiteness are integer reductions, which vectorize (float max/min do not
+// without fast-math).
+constexpr uint32_t kAbsMask = 0x7FFFFFFFu, kExpMask = 0x7F800000u;
 
 template <typename PT, typename GT>
 int64_t run(PT* param, const GT* grad, const Moment& mm, const Moment& mv, const Step& s, int64_t g0, int64_t g1) {
-  const int64_t G = s.group_size;
-  Scratch w(G);
-  float *P = w.p.data(), *Gr = w.g.data(), *M = w.m.data(), *V = w.v.data();
+  const int64_t G = s.group_size, B = std::max<int64_t>(1, kBatchElems / G);
+  Scratch w(B, G);
+  std::vector<int64_t> off(B), len(B);
   int64_t skipped = 0;
-  for (int64_t gi = g0; gi < g1; ++gi) {
-    int64_t r = gi / s.groups_per_row, j = gi % s.groups_per_row;
-    float step_size = s.step_size, inv_bc2_sqrt = s.inv_bc2_sqrt;
-    if (s.skips != nullptr && s.skips[gi] > 0) {
-      const float n_steps = s.step - static_cast<float>(s.skips[gi]);
-      float pw[2] = {n_steps * s.log2_beta1, n_steps * s.log2_beta2};
-      vexp2(pw, 2);
-      step_size = s.lr / (1.0f - pw[0]);
-      inv_bc2_sqrt = 1.0f / std::sqrt(1.0f - pw[1]);
+  for (int64_t b0 = g0; b0 < g1; b0 += B) {
+    const int64_t nb = std::min(B, g1 - b0);
+    centre_logs(mm, b0, nb, w.gm);
+    centre_logs(mv, b0, nb, w.gv);
+    for (int64_t j = 0; j < nb; ++j) {
+      const int64_t gi = b0 + j, r = gi / s.groups_per_row, c = gi % s.groups_per_row;
+      off[j] = r * s.cols + c * G;
+      len[j] = std::min(G, s.cols - c * G);
+      const int64_t o = off[j], n = len[j];
+      float *Gr = w.g.data() + j * G, *M = w.m.data() + j * G, *V = w.v.data() + j * G;
+      for (int64_t i = 0; i < n; ++i) Gr[i] = load(grad, o + i);
+      moment_in(mm, gi, o, n, w.gm.lc_in[j], M);
+      moment_in(mv, gi, o, n, w.gv.lc_in[j], V);
+      // Also the largest magnitude of each (as bits: a non-finite value's are >= the exponent
+      // mask) and each moment's smallest nonzero magnitude, less one (0 wraps to ~0u: none).
+      uint32_t gmax = 0, mmax = 0, mmin = ~0u, vmax = 0, vmin = ~0u;
+      const float b1 = s.beta1, c1 = s.one_minus_beta1, b2 = s.beta2, c2 = s.one_minus_beta2;
+      float *__restrict Mr = M, *__restrict Vr = V;
+      const float* __restrict Gc = Gr;
+      for (int64_t i = 0; i < n; ++i) {
+        const float g = Gc[i];
+        const float mi = b1 * Mr[i] + c1 * g;
+        const float vi = b2 * Vr[i] + c2 * (g * g);
+        Mr[i] = mi;
+        Vr[i] = vi;
+        const uint32_t gb = bits_of(g) & kAbsMask, mb = bits_of(mi) & kAbsMask, vb = bits_of(vi) & kAbsMask;
+        gmax = std::max(gmax, gb);
+        mmax = std::max(mmax, mb);
+        vmax = std::max(vmax, vb);
+        mmin = std::min(mmin, mb - 1u);
+        vmin = std::min(vmin, vb - 1u);
+      }
+      // No nonzero element: amin = inf, as the reference's min over a > 0 gives.
+      w.gm.amax[j] = float_of(mmax);
+      w.gm.amin[j] = mmin == ~0u ? std::numeric_limits<float>::infinity() : float_of(mmin + 1u);
+      w.gv.amax[j] = float_of(vmax);
+      w.gv.amin[j] = vmin == ~0u ? std::numeric_limits<float>::infinity() : float_of(vmin + 1u);
+      w.ok[j] = std::max(gmax, std::max(mmax, vmax)) < kExpMask;
+      if (!w.ok[j]) {
+        ++skipped;  // the group keeps its parameter and both moments
+        if (s.skips != nullptr) ++s.skips[gi];
+      }
     }
-    int64_t off = r * s.cols + j * G, n = std::min(G, s.cols - j * G);
-    for (int64_t i = 0; i < n; ++i) Gr[i] = load(grad, off + i);
-    moment_in(mm, gi, off, n, M, w.t.data());
-    moment_in(mv, gi, off, n, V, w.t.data());
-    for (int64_t i = 0; i < n; ++i) {
-      M[i] = s.beta1 * M[i] + s.one_minus_beta1 * Gr[i];
-      V[i] = s.beta2 * V[i] + s.one_minus_beta2 * (Gr[i] * Gr[i]);
+    // One MKL call for the batch; groups shorter than G leave stale (ignored) floats behind.
+    vsqrt(w.v.data(), w.d.data(), nb * G);
+    for (int64_t j = 0; j < nb; ++j) {
+      if (!w.ok[j]) continue;
+      const int64_t gi = b0 + j, o = off[j], n = len[j];
+      float step_size = s.step_size, inv_bc2_sqrt = s.inv_bc2_sqrt;
+      if (s.skips != nullptr && s.skips[gi] > 0) {
+        const float n_steps = s.step - static_cast<float>(s.skips[gi]);
+        float pw[2] = {n_steps * s.log2_beta1, n_steps * s.log2_beta2};
+        vexp2(pw, 2);
+        step_size = s.lr / (1.0f - pw[0]);
+        inv_bc2_sqrt = 1.0f / std::sqrt(1.0f - pw[1]);
+      }
+      const float *M = w.m.data() + j * G, *D = w.d.data() + j * G;
+      for (int64_t i = 0; i < n; ++i) {
+        const float denom = D[i] * inv_bc2_sqrt + s.eps;
+        store(param, o + i, load(param, o + i) * s.decay - step_size * (M[i] / denom));
+      }
     }
-    if (!(all_finite(Gr, n) && all_finite(M, n) && all_finite(V, n))) {
-      ++skipped;  // the group keeps its parameter and both moments
-      if (s.skips != nullptr) ++s.skips[gi];
-      continue;
-    }
-    float* D = w.t.data();
-    std::memcpy(D, V, n * sizeof(float));
-    vsqrt(D, n);
-    for (int64_t i = 0; i < n; ++i) {
-      float denom = D[i] * inv_bc2_sqrt + s.eps;
-      P[i] = load(param, off + i) * s.decay - step_size * (M[i] / denom);
-    }
-    for (int64_t i = 0; i < n; ++i) store(param, off + i, P[i]);
-    moment_out(mm, s, gi, off, n, M, w);
-    moment_out(mv, s, gi, off, n, V, w);
+    moment_out(mm, s, w, w.gm, w.m.data(), b0, nb, off.data(), len.data());
+    moment_out(mv, s, w, w.gv, w.v.data(), b0, nb, off.data(), len.data());
   }
   return skipped;
 }

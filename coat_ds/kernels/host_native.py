@@ -3,13 +3,14 @@
 The library is built on first use with torch's extension builder (g++, as DeepSpeed builds
 its CPU Adam) for the SIMD level torch itself dispatches to on this CPU, so its vector
 log2/exp2 are the ones torch.log2/torch.exp2 run. The build is cached by torch under
-TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions) and reused by later processes. If it
-fails (no compiler, no headers), one log line says so and the host step keeps the chunked
-torch reference. ctypes releases the GIL for each call, so threads run ranges in parallel.
+TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), one folder per SIMD level and
+source version, and reused by later processes. If it fails (no compiler, no headers), one
+log line says so and the host step keeps the chunked torch reference. ctypes releases the GIL for each call, so threads run ranges in parallel.
 """
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
 import os
 import threading
@@ -25,6 +26,7 @@ __all__ = ["library", "slot_args", "step_consts", "step_range", "DISABLE_ENV"]
 # Set to 1 to skip the build and run the chunked torch reference (benchmarks, debugging).
 DISABLE_ENV = "COAT_DS_HOST_KERNEL_DISABLE"
 _SOURCE = Path(__file__).with_name("host_adamw.cpp")
+_HEADER = Path(__file__).with_name("host_fp8.h")  # included by the source; torch tracks only sources
 # -ffp-contract=off: no fused multiply-adds, which would round unlike the reference's ops.
 _COMMON = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-DNDEBUG"]
 _SIMD = {
@@ -45,8 +47,12 @@ def _build() -> ctypes.CDLL:
 
     cap = torch.backends.cpu.get_cpu_capability()
     simd = _SIMD.get(cap, ["-DCPU_CAPABILITY=DEFAULT"])
-    path = load(name=f"coat_ds_host_adamw_{cap.lower()}", sources=[str(_SOURCE)], extra_cflags=_COMMON + simd,
-                is_python_module=False, verbose=False)
+    # The sources' hash in the name: two versions of coat_ds on one machine (or checkouts
+    # run side by side) keep their own builds instead of rebuilding over each other's, and an
+    # edit of the header alone still rebuilds.
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in (_SOURCE, _HEADER))).hexdigest()[:12]
+    path = load(name=f"coat_ds_host_adamw_{cap.lower()}_{digest}", sources=[str(_SOURCE)],
+                extra_cflags=_COMMON + simd, is_python_module=False, verbose=False)
     lib = ctypes.CDLL(path)
     fn = lib.coat_host_adamw_step
     fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int64
