@@ -18,7 +18,11 @@ element would cost instructions on the GPU for nothing.
 
 Non-finite values pass through exactly (`reference.ACT_POS_INF` and co. say how): every max
 is over the finite values only, so a masked -inf logit cannot turn its group's finite values
-into zeros. That costs a compare and a few selects per element, nothing in memory traffic.
+into zeros. Their selects are paid only where they are needed: each quantizing program
+reduces the int32 bits of |x| (which order like |x|, inf above every finite value and NaN
+above inf), and a program whose block is all finite takes the plain path, which only maps a
+value rounding to -0 to +0 (the -0 code stands for NaN). Blocks holding an inf or a NaN
+take the full path; both give the same codes as the torch twins.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import reference
+from . import fp8, reference
 from .act_launch import launch
 from .codec import decode_fp8, encode_fp8, pow2, scale_exponent
 from .fp8 import get_format, kernel_isa
@@ -60,20 +64,28 @@ def _scale_exponent(amax, FMT: tl.constexpr):
 _POS_INF = tl.constexpr(reference.ACT_POS_INF)
 _NEG_INF = tl.constexpr(reference.ACT_NEG_INF)
 _NAN = tl.constexpr(reference.ACT_NAN)
+_INF_BITS = tl.constexpr(0x7F800000)  # the bits of +inf: |x|'s bits are below them iff x is finite
 
 
 @triton.jit
-def _finite_abs(x):
-    a = tl.abs(x)
-    return tl.where(a < float("inf"), a, 0.0)  # NaN compares false too
+def _abs_bits(x):
+    """The int32 bits of float32 |x|: they order like |x|, +inf above every finite value and
+    NaN above +inf, so one integer max per block tells whether it is all finite."""
+    return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def _encode_finite(x, e, FMT: tl.constexpr, ISA: tl.constexpr):
+    """Codes of finite float32 `x` scaled by 2**-e (e broadcastable to x), zeros as +0."""
+    c = encode_fp8(x * pow2(-e), FMT, ISA)
+    return tl.where(c == _NAN, 0, c)
 
 
 @triton.jit
 def _encode_act(x, e, FMT: tl.constexpr, ISA: tl.constexpr):
     """Codes of float32 `x` scaled by 2**-e (e broadcastable to x), non-finite values as
     their own codes, finite zeros as +0."""
-    c = encode_fp8(x * pow2(-e), FMT, ISA)
-    c = tl.where(c == _NAN, 0, c)
+    c = _encode_finite(x, e, FMT, ISA)
     c = tl.where(x == float("inf"), _POS_INF, c)
     c = tl.where(x == float("-inf"), _NEG_INF, c)
     return tl.where(x != x, _NAN, c).to(tl.uint8)
@@ -95,8 +107,8 @@ def _absmax_kernel(x_ptr, amax_bits_ptr, n, BLOCK: tl.constexpr):
     base = tl.program_id(0).to(tl.int64) * BLOCK
     offs = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + base + offs, mask=offs < n - base, other=0.0).to(tl.float32)
-    block_max = tl.max(_finite_abs(x), axis=0)
-    tl.atomic_max(amax_bits_ptr, block_max.to(tl.int32, bitcast=True))
+    ab = _abs_bits(x)
+    tl.atomic_max(amax_bits_ptr, tl.max(tl.where(ab < _INF_BITS, ab, 0), axis=0))  # non-finite as 0
 
 
 @triton.jit
@@ -110,7 +122,11 @@ def _quantize_tensor_kernel(x_ptr, amax_bits_ptr, exp_ptr, codes_ptr, n, FMT: tl
     e = _scale_exponent(tl.load(amax_bits_ptr).to(tl.float32, bitcast=True), FMT)
     if pid == 0:
         tl.store(exp_ptr, e)
-    tl.store(codes_ptr + base + offs, _encode_act(x, e, FMT, ISA), mask=mask)
+    if tl.max(_abs_bits(x), axis=0) < _INF_BITS:
+        c = _encode_finite(x, e, FMT, ISA)
+    else:
+        c = _encode_act(x, e, FMT, ISA)
+    tl.store(codes_ptr + base + offs, c, mask=mask)
 
 
 @triton.jit
@@ -163,8 +179,16 @@ def _quantize_rows_kernel(x_ptr, codes_ptr, exp_ptr, n_groups, cols, gpr,
     offs, valid, gl = _row_group_offsets(g0, n_groups, cols, gpr, G, BG, EVEN)
     base = _row_base(g0, cols, gpr, G, EVEN)
     x = tl.load(x_ptr + base + offs, mask=valid, other=0.0).to(tl.float32)
-    e = _scale_exponent(tl.max(_finite_abs(x), axis=1), FMT)
-    tl.store(codes_ptr + base + offs, _encode_act(x, e[:, None], FMT, ISA), mask=valid)
+    ab = _abs_bits(x)
+    gmax = tl.max(ab, axis=1)  # each group's max |x| as bits, if the group is finite
+    if tl.max(gmax, axis=0) < _INF_BITS:
+        e = _scale_exponent(gmax.to(tl.float32, bitcast=True), FMT)
+        c = _encode_finite(x, e[:, None], FMT, ISA)
+    else:
+        gmax = tl.max(tl.where(ab < _INF_BITS, ab, 0), axis=1)
+        e = _scale_exponent(gmax.to(tl.float32, bitcast=True), FMT)
+        c = _encode_act(x, e[:, None], FMT, ISA)
+    tl.store(codes_ptr + base + offs, c, mask=valid)
     tl.store(exp_ptr + g0 + gl, e.to(tl.int8), mask=gl < n_groups - g0)
 
 
@@ -180,11 +204,25 @@ def _dequantize_rows_kernel(codes_ptr, exp_ptr, out_ptr, n_groups, cols, gpr, ou
     tl.store(out_ptr + base + offs, x.to(out_ptr.dtype.element_ty), mask=valid)
 
 
+# (is_cuda, device index) -> ((device type, index), ISA). Every saved tensor calls `_check`
+# twice (pack and unpack), and `kernel_isa(x.device)` builds a device object and its key
+# each time. An entry stands while fp8's own cache still holds that device's ISA, which
+# `fp8.set_fp8_conversions` clears.
+_ISA_OF: dict = {}
+
+
 def _check(x: torch.Tensor) -> int:
     """The kernels' ISA constexpr for x's device (see fp8.py)."""
     if not x.is_contiguous():
         raise ValueError("activation kernels take contiguous tensors")
-    return kernel_isa(x.device)
+    key = (x.is_cuda, x.get_device())
+    hit = _ISA_OF.get(key)
+    if hit is not None and fp8._ISA.get(hit[0]) == hit[1]:
+        return hit[1]
+    device = x.device
+    isa = kernel_isa(device)
+    _ISA_OF[key] = ((device.type, device.index), isa)
+    return isa
 
 
 def _rows(shape, numel: int, group_size: int) -> tuple[int, int, int]:
