@@ -57,8 +57,9 @@ def test_symbolic_sizes_are_compressed_unless_known_small():
     assert not env.guards  # deciding added no guard on the symbolic size
 
 
-def test_screen_is_decides_first_half():
-    """Where `screen` settles a tensor, `decide` says the same whatever the other facts."""
+def test_decide_is_screen_then_candidate():
+    """The eager hooks call the two halves themselves: together they are `decide`, and
+    where `screen` settles a tensor no other fact changes the outcome."""
     policy = Policy(ActivationConfig())
     others = [dict(row_len=r, dense_order=d, weight_copy=w, linear_input=li)
               for r in (1, 64) for d in (False, True) for w in (False, True) for li in (False, True)]
@@ -70,14 +71,14 @@ def test_screen_is_decides_first_half():
                     kind = policy.screen(dtype, numel, grad_flows, alive)
                     for o in others:
                         got = policy.decide(dtype=dtype, numel=numel, grad_flows=grad_flows, alive_anyway=alive, **o)
-                        assert kind is None or got == kind
+                        assert got == (kind if kind is not None else policy.candidate(**o))
                     settled += kind is not None
     assert settled == 22  # all but the float, large, gradient-carrying, not-alive ones (2 dtypes)
 
 
 def test_eager_and_compiled_paths_ask_the_policy(monkeypatch):
-    asked, screened = [], []
-    decide, screen = Policy.decide, Policy.screen
+    asked, screened, candidates = [], [], []
+    decide, screen, candidate = Policy.decide, Policy.screen, Policy.candidate
     signature = inspect.signature(decide)
 
     def spy(self, *args, **kwargs):
@@ -88,8 +89,13 @@ def test_eager_and_compiled_paths_ask_the_policy(monkeypatch):
         screened.append(args)
         return screen(self, *args)
 
+    def candidate_spy(self, *args):
+        candidates.append(args)
+        return candidate(self, *args)
+
     monkeypatch.setattr(policy_module.Policy, "decide", spy)
     monkeypatch.setattr(policy_module.Policy, "screen", screen_spy)
+    monkeypatch.setattr(policy_module.Policy, "candidate", candidate_spy)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
     x = torch.randn(32, 64, requires_grad=True)
@@ -97,10 +103,11 @@ def test_eager_and_compiled_paths_ask_the_policy(monkeypatch):
     try:
         model(x).sum().backward()
         # The eager hooks screen every saved tensor but the weights' views (x: skipped, as
-        # the caller's input), and ask decide about the two activations they compress.
+        # the caller's input), and ask the second half about the two activations left open.
         assert len(screened) >= 3 and any(a[3] for a in screened)
-        assert len(asked) >= 2 and any(f["linear_input"] for f in asked)
-        asked.clear()
+        assert len(candidates) >= 2 and any(a[3] for a in candidates)  # linear_input
+        screened.clear()
+        candidates.clear()
         handle.reset_stats()
         torch._dynamo.reset()
         torch.compile(model, backend="aot_eager")(x).sum().backward()
@@ -119,9 +126,9 @@ def test_screened_tensors_skip_the_costlier_facts(monkeypatch):
     from coat_ds.activation import hooks
 
     walked, asked = [], []
-    memory_order, decide = hooks.memory_order, Policy.decide
+    memory_order, candidate = hooks.memory_order, Policy.candidate
     monkeypatch.setattr(hooks, "memory_order", lambda t: walked.append(t.shape) or memory_order(t))
-    monkeypatch.setattr(policy_module.Policy, "decide", lambda self, *a: asked.append(a) or decide(self, *a))
+    monkeypatch.setattr(policy_module.Policy, "candidate", lambda self, *a: asked.append(a) or candidate(self, *a))
 
     class Mixed(torch.nn.Module):
         def forward(self, x, idx):

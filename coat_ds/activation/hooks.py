@@ -170,7 +170,7 @@ class SavedTensorCompressor:
             # anyway, which the policy's first rule skips whatever else holds; reading the
             # other facts first would cost microseconds per save for nothing.
             ledger.add_skipped(t)
-            return Kept(t)
+            return Kept.weight_view(t)
         root = t if base is None else base
         dtype = t.dtype
         dev, addr, numel = t.get_device(), t.data_ptr(), t.numel()
@@ -179,6 +179,8 @@ class SavedTensorCompressor:
         ref = self._keep.refs.get(skey)
         # The policy's first half on the facts at hand (integers, tiny tensors, statistics,
         # what the caller holds anyway), before the costlier ones only a candidate needs.
+        # grad_flows is requires_grad: False for a statistic such as logsumexp, or a value
+        # computed from inputs that need no gradient (see the docs' limits).
         kind = self.policy.screen(dtype, numel, t.requires_grad, ref is not None and ref() is not None)
         if kind is not None:
             if kind is SKIP:
@@ -199,13 +201,9 @@ class SavedTensorCompressor:
         # A linear layer saves its input, or a 2-D view of it: same memory, same count.
         ref = self._linear_inputs.refs.get(ident)
         linear = ref is not None and ref() is not None
-        # Positional: keyword arguments cost a microsecond per saved tensor here. In order:
-        # dtype, numel, row_len, dense_order, grad_flows (False for a statistic such as
-        # logsumexp, or a value computed from inputs that need no gradient: see the docs'
-        # limits), alive_anyway, weight_copy, linear_input. The screen above settled the
-        # first and the alive_anyway fact.
-        kind = self.policy.decide(dtype, numel, row_len, perm is not None, True, False,
-                                  dtype in _LOW and _is_weight_copy(root), linear)
+        # The policy's second half (positional: keyword arguments cost a microsecond per
+        # saved tensor here): row_len, dense_order, weight_copy, linear_input.
+        kind = self.policy.candidate(row_len, perm is not None, dtype in _LOW and _is_weight_copy(root), linear)
         root_ref = weakref.ref(root)
         if kind is KEEP:
             ledger.add_kept(t, skey, root_ref)

@@ -49,6 +49,15 @@ class Kept:
         self.tensor = t.detach() if t.grad_fn is not None else t
         self.version = t._version
 
+    @classmethod
+    def weight_view(cls, t: torch.Tensor) -> "Kept":
+        """`t`, a view of a parameter (weight.t()), kept without detaching: its grad_fn is the
+        view op's node, never the node saving it, so it closes no cycle (see as_is), and a
+        detach per linear layer's weight costs time for nothing."""
+        kept = cls.__new__(cls)
+        kept.tensor, kept.version = t, t._version
+        return kept
+
     def restore(self) -> torch.Tensor:
         t = self.tensor
         if t._version != self.version:

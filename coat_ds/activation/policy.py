@@ -34,9 +34,10 @@ class Policy:
     """`decide(...)` for one configuration. Called once per saved tensor on the eager hot
     path, so it is a few comparisons on arguments the caller already has.
 
-    `screen(...)` is decide's first half, on the facts every saved tensor has at hand: the
-    eager hooks ask it before reading the costlier facts (memory order, the linear-input
-    and weight-copy tables), which only a tensor it leaves open needs."""
+    `decide` is `screen(...)`, on the facts every saved tensor has at hand, then, for a
+    tensor it leaves open, `candidate(...)` on the rest. The eager hooks call the two halves
+    themselves, reading the costlier facts (memory order, the linear-input and weight-copy
+    tables) only for the tensors the screen leaves open."""
 
     __slots__ = ("min_numel", "linear_kind")
 
@@ -73,6 +74,10 @@ class Policy:
         kind = self.screen(dtype, numel, grad_flows, alive_anyway)
         if kind is not None:
             return kind
+        return self.candidate(row_len, dense_order, weight_copy, linear_input)
+
+    def candidate(self, row_len, dense_order: bool, weight_copy: bool, linear_input: bool) -> str:
+        """The storage of a tensor that `screen` left open (facts as in `decide`)."""
         if weight_copy or not dense_order:
             return KEEP
         one = row_len == 1
