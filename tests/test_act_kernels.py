@@ -151,22 +151,27 @@ def test_non_finite_values_pass_through_and_do_not_set_scales(backend, fmt, devi
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 def test_finite_and_non_finite_blocks_of_one_launch_match_the_twin(device):
-    # Each program takes the plain path when its block is all finite and the full one when
-    # it holds an inf or a NaN: three programs per kernel here, one of each kind and a
-    # finite one whose tiny negatives round to zero (stored as +0: -0's code means NaN).
+    # Per group, each program takes the plain path when its block is all finite and the full
+    # one when it holds an inf or a NaN (three programs here, one finite, one of each); per
+    # tensor, all programs take the plain path when the whole tensor is finite. The finite
+    # block has a tiny negative that rounds to zero: stored as +0 (-0's code means NaN).
     ops = _triton()
     for quant, twin, args, block in ((ops.quantize_rows, ref.act_quantize_rows, (16,), 256 * 16),
                                      (ops.quantize_tensor, ref.act_quantize_tensor, (), 4096)):
         x = _data((3 * block,), torch.float32, "cpu", seed=3)
         x[5], x[6] = -1e-30, 1e4  # block 0: finite; -1e-30 rounds to zero in its group
-        x[block + 7] = float("-inf")  # block 1
-        x[2 * block + 9] = float("nan")  # block 2
-        x = x.reshape(-1, 16).to(device)
-        codes, exps = quant(x, *args)
-        want_codes, want_exps = twin(x.cpu(), *args)
-        assert torch.equal(codes.cpu(), want_codes) and torch.equal(exps.cpu(), want_exps)
-        flat = codes.reshape(-1).cpu()
-        assert flat[5] == 0 and flat[block + 7] == ref.ACT_NEG_INF and flat[2 * block + 9] == ref.ACT_NAN
+        for special in (False, True):
+            if special:
+                x[block + 7] = float("-inf")  # block 1
+                x[2 * block + 9] = float("nan")  # block 2
+            xd = x.reshape(-1, 16).to(device)
+            codes, exps = quant(xd, *args)
+            want_codes, want_exps = twin(xd.cpu(), *args)
+            assert torch.equal(codes.cpu(), want_codes) and torch.equal(exps.cpu(), want_exps)
+            flat = codes.reshape(-1).cpu()
+            assert flat[5] == 0 and flat[6] != 0
+            if special:
+                assert flat[block + 7] == ref.ACT_NEG_INF and flat[2 * block + 9] == ref.ACT_NAN
 
 
 def test_launchers_resolve_the_isa_once_per_device(monkeypatch):
