@@ -43,13 +43,11 @@ def _is_parameter(t: torch.Tensor) -> bool:
 _TO_COPY_NODE = type(torch.empty(1, requires_grad=True).to(torch.float64).grad_fn)
 
 
-def _is_weight_copy(root: torch.Tensor) -> bool:
-    """`root` is a dtype conversion of a parameter: autocast's BF16 copy of an FP32 weight
-    (a plain tensor whose grad_fn casts straight from the parameter's AccumulateGrad).
-    Its FP8 error would reach every gradient that weight touches, as a weight's would."""
-    fn = root.grad_fn
-    if type(fn) is not _TO_COPY_NODE:
-        return False
+def _casts_a_parameter(fn) -> bool:
+    """`fn`, a ToCopyBackward0 node, casts straight from a parameter's AccumulateGrad: its
+    output is a weight copy (autocast's BF16 copy of an FP32 weight), whose FP8 error would
+    reach every gradient that weight touches, as a weight's would. Pack reads the node's
+    type itself (type(root.grad_fn) is _TO_COPY_NODE) and calls this only on a match."""
     nxt = fn.next_functions
     acc = nxt[0][0] if nxt else None
     return acc is not None and _is_parameter(getattr(acc, "variable", None))
@@ -110,6 +108,8 @@ class SavedTensorCompressor:
         self._ops: dict[int, object] = {}
         self._per_device: dict[int, tuple] = {}
         self.policy = Policy(config)
+        # Its two halves, bound once: pack calls them for every saved tensor.
+        self._screen, self._candidate = self.policy.screen, self.policy.candidate
         self._formats = {False: get_format(config.other_format), True: get_format(config.linear_input_format)}
         self._group_size = config.group_size
         self._traced = TracedCodec(config, self.policy)
@@ -181,7 +181,7 @@ class SavedTensorCompressor:
         # what the caller holds anyway), before the costlier ones only a candidate needs.
         # grad_flows is requires_grad: False for a statistic such as logsumexp, or a value
         # computed from inputs that need no gradient (see the docs' limits).
-        kind = self.policy.screen(dtype, numel, t.requires_grad, ref is not None and ref() is not None)
+        kind = self._screen(dtype, numel, t.requires_grad, ref is not None and ref() is not None)
         if kind is not None:
             if kind is SKIP:
                 ledger.add_skipped(t)
@@ -192,7 +192,7 @@ class SavedTensorCompressor:
         if perm is None:
             gapped, row_len = False, 1
         else:
-            gapped = has_gaps(t, perm)
+            gapped = bool(perm) and has_gaps(t, perm)  # [] (contiguous, the usual case): none
             row_len = t.shape[perm[-1] if perm else -1] if t.dim() else 1
         # A dense tensor is its first element's address plus its element count; views of the
         # same memory (any shape or strides) share one FP8 copy while its original lives. A
@@ -201,9 +201,11 @@ class SavedTensorCompressor:
         # A linear layer saves its input, or a 2-D view of it: same memory, same count.
         ref = self._linear_inputs.refs.get(ident)
         linear = ref is not None and ref() is not None
+        fn = root.grad_fn if dtype in _LOW else None
+        weight_copy = type(fn) is _TO_COPY_NODE and _casts_a_parameter(fn)
         # The policy's second half (positional: keyword arguments cost a microsecond per
         # saved tensor here): row_len, dense_order, weight_copy, linear_input.
-        kind = self.policy.candidate(row_len, perm is not None, dtype in _LOW and _is_weight_copy(root), linear)
+        kind = self._candidate(row_len, perm is not None, weight_copy, linear)
         root_ref = weakref.ref(root)
         if kind is KEEP:
             ledger.add_kept(t, skey, root_ref)
