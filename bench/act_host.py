@@ -8,10 +8,15 @@ the compressor's `pack`/`unpack` and filed under what it returned.
 
     python bench/act_host.py                                      # this checkout
     PYTHONPATH=/work/main/.oldwt python bench/act_host.py         # another version's code
+    python bench/act_host.py --tensors                            # one kind of saved tensor at a time
 
 The figures are per call, in microseconds: the median over rounds of each round's mean
 (a round is one forward and backward), and the best round. Run both sides back to back on
 the same machine; on a shared CPU compare medians of a few runs.
+
+`--tensors` calls the hooks directly on fresh tensors of one kind at a time (an activation
+compressed per group, a linear input per tensor, a transposed activation, a weight view,
+a tiny tensor), outside any model: less noise, no model around it; best of many batches.
 """
 from __future__ import annotations
 
@@ -57,15 +62,54 @@ def _outcome(saved, counted: set) -> str:
     return "as is"
 
 
+def _per_tensor_kind(batches: int) -> None:
+    from coat_ds.activation.hooks import SavedTensorCompressor
+
+    comp = SavedTensorCompressor(ActivationConfig(backend="triton"))
+    x = torch.randn(2, 32, 64, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(64, 64, dtype=torch.bfloat16))
+    comp.note_alive_anyway(torch.randn(4))  # a region always has some
+
+    def linear_input():
+        h = x * 2
+        comp.note_linear_input(h)
+        return h.view(64, 64)  # what F.linear saves: a 2-D view of its input
+
+    kinds = (("per group", lambda: x * 2), ("per tensor (linear)", linear_input),
+             ("transposed", lambda: (x * 2).transpose(1, 2)), ("weight view", lambda: w.t()),
+             ("tiny (kept)", lambda: x[0, :4] * 2))
+    clock = time.perf_counter_ns
+    print(f"coat_ds: {coat_ds.__file__}")
+    print(f"{'saved tensor':<22}{'pack us':>9}{'unpack us':>11}   (best of {batches} batches of 40)")
+    for name, make in kinds:
+        best_p = best_u = float("inf")
+        for _ in range(batches):
+            ts = [make() for _ in range(40)]
+            t0 = clock()
+            out = [comp.pack(t) for t in ts]
+            t1 = clock()
+            for saved in out:
+                comp.unpack(saved)
+            t2 = clock()
+            best_p, best_u = min(best_p, (t1 - t0) / 40), min(best_u, (t2 - t1) / 40)
+            del ts, out
+        print(f"{name:<22}{best_p / 1e3:>9.2f}{best_u / 1e3:>11.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=300)
+    ap.add_argument("--tensors", action="store_true", help="time one kind of saved tensor at a time, no model")
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
+    if args.tensors:
+        _no_launch()
+        _per_tensor_kind(args.rounds)
+        return
     model = _model(args.layers, args.dim)
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
