@@ -146,3 +146,48 @@ def test_non_finite_values_pass_through_and_do_not_set_scales(backend, fmt, devi
                 ref.act_quantize_tensor, ref.act_dequantize_tensor)
             rc, re = ref_ops[0](x.cpu(), *args)
             assert torch.equal(rc, codes.cpu()) and torch.equal(re, exps.cpu())
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_finite_and_non_finite_blocks_of_one_launch_match_the_twin(device):
+    # Per group, each program takes the plain path when its block is all finite and the full
+    # one when it holds an inf or a NaN (three programs here, one finite, one of each); per
+    # tensor, all programs take the plain path when the whole tensor is finite. The finite
+    # block has a tiny negative that rounds to zero: stored as +0 (-0's code means NaN).
+    ops = _triton()
+    for quant, twin, args, block in ((ops.quantize_rows, ref.act_quantize_rows, (16,), 256 * 16),
+                                     (ops.quantize_tensor, ref.act_quantize_tensor, (), 4096)):
+        x = _data((3 * block,), torch.float32, "cpu", seed=3)
+        x[5], x[6] = -1e-30, 1e4  # block 0: finite; -1e-30 rounds to zero in its group
+        for special in (False, True):
+            if special:
+                x[block + 7] = float("-inf")  # block 1
+                x[2 * block + 9] = float("nan")  # block 2
+            xd = x.reshape(-1, 16).to(device)
+            codes, exps = quant(xd, *args)
+            want_codes, want_exps = twin(xd.cpu(), *args)
+            assert torch.equal(codes.cpu(), want_codes) and torch.equal(exps.cpu(), want_exps)
+            flat = codes.reshape(-1).cpu()
+            assert flat[5] == 0 and flat[6] != 0
+            if special:
+                assert flat[block + 7] == ref.ACT_NEG_INF and flat[2 * block + 9] == ref.ACT_NAN
+
+
+def test_launchers_resolve_the_isa_once_per_device(monkeypatch):
+    # Host cost: every saved tensor calls a launcher in pack and in unpack, and resolving
+    # the ISA from x.device each time cost more than the rest of the check. It is looked up
+    # once per device, and again after fp8.set_fp8_conversions clears fp8's own cache.
+    from coat_ds.kernels import act_quant, fp8
+
+    calls = []
+    kernel_isa = fp8.kernel_isa
+    monkeypatch.setattr(act_quant, "kernel_isa", lambda d: calls.append(d) or kernel_isa(d))
+    monkeypatch.setattr(act_quant, "_ISA_OF", {}, raising=False)
+    x = torch.randn(4, 32)
+    for _ in range(3):
+        assert act_quant._check(x) == kernel_isa(x.device)
+    assert len(calls) == 1
+    fp8.set_fp8_conversions(None)  # clears fp8's cache (what a mode change does)
+    act_quant._check(x)
+    assert len(calls) == 2

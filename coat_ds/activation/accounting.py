@@ -54,14 +54,13 @@ class Ledger:
         self.uncompressed = self.compressed = self.n_compressed = 0
         self.n_kept = self.kept = self.dedup_hits = self.skipped = 0
 
-    def _first_sight(self, t: torch.Tensor, root: torch.Tensor) -> bool:
-        key = storage_key(t)
+    def _first_sight(self, key: tuple[int, int], root_ref: weakref.ref) -> bool:
         ref = self._storages.get(key)
         if ref is not None and ref() is not None:
             return False
         if len(self._storages) >= self._sweep_at:
             self._sweep()
-        self._storages[key] = weakref.ref(root)
+        self._storages[key] = root_ref
         return True
 
     def _sweep(self) -> None:
@@ -72,17 +71,19 @@ class Ledger:
         self._storages = {k: ref for k, ref in self._storages.items() if ref() is not None}
         self._sweep_at = max(_SWEEP_AT, 2 * max(len(self._originals), len(self._storages)))
 
-    def add_compressed(self, t: torch.Tensor, root: torch.Tensor, packed_bytes: int) -> None:
-        if self._first_sight(t, root):
+    # The callers pass what they have already read: `key` is storage_key(t), `root_ref` a
+    # weak reference to the tensor owning t's storage (t itself, or its base).
+    def add_compressed(self, t: torch.Tensor, key: tuple[int, int], root_ref: weakref.ref, packed_bytes: int) -> None:
+        if self._first_sight(key, root_ref):
             self.uncompressed += t.untyped_storage().nbytes()
         self.compressed += packed_bytes
         self.n_compressed += 1
-        self._originals.append((weakref.ref(root), t.numel() * t.element_size()))
+        self._originals.append((root_ref, t.nbytes))
         if len(self._originals) >= self._sweep_at:
             self._sweep()
 
-    def add_kept(self, t: torch.Tensor, root: torch.Tensor) -> None:
-        if self._first_sight(t, root):
+    def add_kept(self, t: torch.Tensor, key: tuple[int, int], root_ref: weakref.ref) -> None:
+        if self._first_sight(key, root_ref):
             n = t.untyped_storage().nbytes()
             self.uncompressed += n
             self.compressed += n

@@ -38,13 +38,16 @@ def _is_parameter(t: torch.Tensor) -> bool:
     return type(t) is not _PLAIN and isinstance(t, nn.Parameter)
 
 
-def _is_weight_copy(root: torch.Tensor) -> bool:
-    """`root` is a dtype conversion of a parameter: autocast's BF16 copy of an FP32 weight
-    (a plain tensor whose grad_fn casts straight from the parameter's AccumulateGrad).
-    Its FP8 error would reach every gradient that weight touches, as a weight's would."""
-    fn = root.grad_fn
-    if fn is None or type(fn).__name__ != "ToCopyBackward0":
-        return False
+# The autograd node of a dtype conversion (ToCopyBackward0), compared by identity: reading
+# its name per saved tensor costs more.
+_TO_COPY_NODE = type(torch.empty(1, requires_grad=True).to(torch.float64).grad_fn)
+
+
+def _casts_a_parameter(fn) -> bool:
+    """`fn`, a ToCopyBackward0 node, casts straight from a parameter's AccumulateGrad: its
+    output is a weight copy (autocast's BF16 copy of an FP32 weight), whose FP8 error would
+    reach every gradient that weight touches, as a weight's would. Pack reads the node's
+    type itself (type(root.grad_fn) is _TO_COPY_NODE) and calls this only on a match."""
     nxt = fn.next_functions
     acc = nxt[0][0] if nxt else None
     return acc is not None and _is_parameter(getattr(acc, "variable", None))
@@ -100,9 +103,13 @@ class SavedTensorCompressor:
         self._fp8 = _WeakTable()
         self._linear_inputs = _WeakTable()
         self._keep = _WeakTable()
-        self._ops: dict[tuple[str, int], object] = {}
-        self._empty: dict[int, torch.Tensor] = {}
+        # Device index -> kernels (benchmarks set entries to stub them), and -> (kernels,
+        # zero-element tensor) as pack uses them.
+        self._ops: dict[int, object] = {}
+        self._per_device: dict[int, tuple] = {}
         self.policy = Policy(config)
+        # Its two halves, bound once: pack calls them for every saved tensor.
+        self._screen, self._candidate = self.policy.screen, self.policy.candidate
         self._formats = {False: get_format(config.other_format), True: get_format(config.linear_input_format)}
         self._group_size = config.group_size
         self._traced = TracedCodec(config, self.policy)
@@ -129,13 +136,14 @@ class SavedTensorCompressor:
             ops = self._ops[dev] = get_act_ops(t.device, self.config.backend)
         return ops
 
-    def _empty_for(self, t: torch.Tensor) -> torch.Tensor:
-        """A zero-element tensor on t's device (what FP8Saved swaps its version alias to)."""
-        dev = t.get_device()
-        empty = self._empty.get(dev)
-        if empty is None:
-            empty = self._empty[dev] = torch.empty(0, device=t.device)
-        return empty
+    def _device_state(self, dev: int, t: torch.Tensor):
+        """(kernels, zero-element tensor) for t's device `dev` (t.get_device()), resolved at
+        the first compressed tensor: the empty tensor is what FP8Saved swaps its version
+        alias to."""
+        state = self._per_device.get(dev)
+        if state is None:
+            state = self._per_device[dev] = (self._ops_for(t), torch.empty(0, device=t.device))
+        return state
 
     def pack(self, t: torch.Tensor):
         ledger = self.ledger
@@ -162,46 +170,59 @@ class SavedTensorCompressor:
             # anyway, which the policy's first rule skips whatever else holds; reading the
             # other facts first would cost microseconds per save for nothing.
             ledger.add_skipped(t)
-            return Kept(t)
+            return Kept.weight_view(t)
         root = t if base is None else base
         dtype = t.dtype
+        dev, addr, numel = t.get_device(), t.data_ptr(), t.numel()
+        skey = (dev, addr - t.storage_offset() * t.element_size())  # accounting.storage_key
+        # _WeakTable.get inlined here and below: a method call per table per saved tensor.
+        ref = self._keep.refs.get(skey)
+        # The policy's first half on the facts at hand (integers, tiny tensors, statistics,
+        # what the caller holds anyway), before the costlier ones only a candidate needs.
+        # grad_flows is requires_grad: False for a statistic such as logsumexp, or a value
+        # computed from inputs that need no gradient (see the docs' limits).
+        kind = self._screen(dtype, numel, t.requires_grad, ref is not None and ref() is not None)
+        if kind is not None:
+            if kind is SKIP:
+                ledger.add_skipped(t)
+            else:
+                ledger.add_kept(t, skey, weakref.ref(root))
+            return Kept(t)
         perm = memory_order(t)
         if perm is None:
             gapped, row_len = False, 1
         else:
-            gapped = has_gaps(t, perm)
+            gapped = bool(perm) and has_gaps(t, perm)  # [] (contiguous, the usual case): none
             row_len = t.shape[perm[-1] if perm else -1] if t.dim() else 1
         # A dense tensor is its first element's address plus its element count; views of the
         # same memory (any shape or strides) share one FP8 copy while its original lives. A
         # view with gaps is copied dense: only the same view of it can share that copy.
-        ident = (t.get_device(), t.data_ptr(), t.numel(), dtype)
+        ident = (dev, addr, numel, dtype)
         # A linear layer saves its input, or a 2-D view of it: same memory, same count.
-        linear = self._linear_inputs.get(ident) is not None
-        # Positional: keyword arguments cost a microsecond per saved tensor here. In order:
-        # dtype, numel, row_len, dense_order, grad_flows (False for a statistic such as
-        # logsumexp, or a value computed from inputs that need no gradient: see the docs'
-        # limits), alive_anyway, weight_copy, linear_input.
-        kind = self.policy.decide(
-            dtype, ident[2], row_len, perm is not None, t.requires_grad,
-            bool(self._keep.refs) and self._keep.get(storage_key(t)) is not None,
-            dtype in _LOW and _is_weight_copy(root), linear)
-        if kind is SKIP:
-            ledger.add_skipped(t)
-            return Kept(t)
+        ref = self._linear_inputs.refs.get(ident)
+        linear = ref is not None and ref() is not None
+        fn = root.grad_fn if dtype in _LOW else None
+        weight_copy = type(fn) is _TO_COPY_NODE and _casts_a_parameter(fn)
+        # The policy's second half (positional: keyword arguments cost a microsecond per
+        # saved tensor here): row_len, dense_order, weight_copy, linear_input.
+        kind = self._candidate(row_len, perm is not None, weight_copy, linear)
+        root_ref = weakref.ref(root)
         if kind is KEEP:
-            ledger.add_kept(t, root)
+            ledger.add_kept(t, skey, root_ref)
             return Kept(t)
-        key = (*ident, t._version, t.shape, t.stride()) if gapped else (*ident, t._version)
-        hit = self._fp8.get(key)
+        version = t._version
+        key = (dev, addr, numel, dtype, version, t.shape, t.stride()) if gapped else (dev, addr, numel, dtype, version)
+        ref = self._fp8.refs.get(key)
+        hit = ref() if ref is not None else None
         if hit is not None and hit.origin() is not None:
             ledger.dedup_hits += 1
             hit.pending += 1
             return hit if hit.shape == t.shape and hit.stride == t.stride() else FP8View(hit, t)
-        ops = self._ops_for(t)
-        saved = FP8Saved(_version_alias(t), perm, kind, self._formats[linear], self._group_size, ops, weakref.ref(root),
-                         self._empty_for(t))
+        ops, empty = self._device_state(dev, t)
+        saved = FP8Saved(_version_alias(t), version, perm, gapped, kind, self._formats[linear], self._group_size, ops,
+                         root_ref, empty)
         self._fp8.add(key, saved)
-        ledger.add_compressed(t, root, saved.nbytes)
+        ledger.add_compressed(t, skey, root_ref, saved.nbytes)
         return saved
 
     def unpack(self, saved):

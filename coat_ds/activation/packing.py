@@ -11,23 +11,22 @@ import torch
 
 from .policy import FLOATS, PER_TENSOR
 
-__all__ = ["FLOATS", "FP8Saved", "FP8View", "Kept", "memory_order", "has_gaps", "as_is", "check_version"]
+__all__ = ["FLOATS", "FP8Saved", "FP8View", "Kept", "memory_order", "has_gaps", "as_is", "version_error"]
 
 
-def check_version(counter: torch.Tensor, saved: int, dtype: torch.dtype, shape) -> None:
-    """Raise autograd's own error if the tensor saved at version `saved` was modified in
-    place since. Autograd checks the tensors it saves itself, but not those handed to
-    saved-tensor hooks: without this, backward would silently use the FP8 snapshot (or the
-    modified values) where plain autograd refuses. `counter` shares the saved tensor's
-    version counter (a detached alias, possibly emptied: see FP8Saved)."""
-    now = counter._version
-    if now != saved:
-        kind = torch.empty(0, dtype=dtype).type()
-        raise RuntimeError(
+def version_error(now: int, saved: int, dtype: torch.dtype, shape) -> RuntimeError:
+    """Autograd's own error for a tensor saved at version `saved` and now at `now`.
+
+    Autograd checks the versions of the tensors it saves itself, but not of those handed to
+    saved-tensor hooks: without a check at unpack, backward would silently use the FP8
+    snapshot (or the modified values) where plain autograd refuses. Each restore compares
+    the version inline (a call per unpack costs more than the compare) and raises this."""
+    kind = torch.empty(0, dtype=dtype).type()
+    return RuntimeError(
             "one of the variables needed for gradient computation has been modified by an inplace "
-            f"operation: [{kind} {list(shape)}], saved for backward (through coat_ds's saved-tensor "
-            f"hooks), is at version {now}; expected version {saved} instead. Hint: the tensor was "
-            "changed in place between forward and backward; clone it before modifying it.")
+        f"operation: [{kind} {list(shape)}], saved for backward (through coat_ds's saved-tensor "
+        f"hooks), is at version {now}; expected version {saved} instead. Hint: the tensor was "
+        "changed in place between forward and backward; clone it before modifying it.")
 
 
 def as_is(t: torch.Tensor) -> torch.Tensor:
@@ -46,11 +45,23 @@ class Kept:
     __slots__ = ("tensor", "version")
 
     def __init__(self, t: torch.Tensor):
-        self.tensor, self.version = as_is(t), t._version
+        # as_is(t), inlined: this runs for every saved tensor not compressed.
+        self.tensor = t.detach() if t.grad_fn is not None else t
+        self.version = t._version
+
+    @classmethod
+    def weight_view(cls, t: torch.Tensor) -> "Kept":
+        """`t`, a view of a parameter (weight.t()), kept without detaching: its grad_fn is the
+        view op's node, never the node saving it, so it closes no cycle (see as_is), and a
+        detach per linear layer's weight costs time for nothing."""
+        kept = cls.__new__(cls)
+        kept.tensor, kept.version = t, t._version
+        return kept
 
     def restore(self) -> torch.Tensor:
         t = self.tensor
-        check_version(t, self.version, t.dtype, t.shape)
+        if t._version != self.version:
+            raise version_error(t._version, self.version, t.dtype, t.shape)
         return t
 
 
@@ -95,16 +106,17 @@ class FP8Saved:
     __slots__ = ("codes", "exps", "kind", "fmt", "group_size", "dtype", "inverse", "ops", "_restored",
                  "pending", "origin", "shape", "stride", "gapped", "counter", "version", "__weakref__")
 
-    def __init__(self, t: torch.Tensor, perm: list[int], kind: str, fmt, group_size: int, ops, origin: weakref.ref,
-                 empty: torch.Tensor):
-        """`t`: a detached alias of the saved tensor, which this takes over (below); `fmt` an
-        Fp8Format; `empty`: a zero-element tensor on t's device."""
+    def __init__(self, t: torch.Tensor, version: int, perm: list[int], gapped: bool, kind: str, fmt, group_size: int,
+                 ops, origin: weakref.ref, empty: torch.Tensor):
+        """`t`: a detached alias of the saved tensor, which this takes over (below), saved at
+        `version`; `perm`: memory_order(t); `gapped`: has_gaps(t, perm); `fmt` an Fp8Format;
+        `empty`: a zero-element tensor on t's device."""
         x = t.permute(perm) if perm else t
         # A view with gaps holds its whole storage alive (v holds all of a fused qkv output);
         # its own elements are copied dense and come back dense, in the same dim order:
         # autograd takes any strides, and the gapped layout would need that storage again.
-        self.gapped = not x.is_contiguous()
-        if self.gapped:
+        self.gapped = gapped
+        if gapped:
             x = x.contiguous()
         if kind == PER_TENSOR:
             self.codes, self.exps = ops.quantize_tensor(x, fmt)
@@ -129,13 +141,13 @@ class FP8Saved:
         # when the original is gone by then (modified, then freed). `t` shares the original's
         # version counter; swapping its data for an empty tensor keeps the counter and lets
         # the storage go (`.data =` does not bump the version).
-        self.version = t._version
+        self.version = version
         t.data = empty
         self.counter = t
 
     @property
     def nbytes(self) -> int:
-        return self.codes.numel() * self.codes.element_size() + self.exps.numel() * self.exps.element_size()
+        return self.codes.nbytes + self.exps.nbytes
 
     def restore(self) -> torch.Tensor:
         """The dequantized tensor, with the original shape and strides.
@@ -146,7 +158,8 @@ class FP8Saved:
         be dequantized again for each (a launch and a full write each time). Holding it
         costs no more than BF16 autograd, which keeps the original until the last of those
         nodes has run."""
-        check_version(self.counter, self.version, self.dtype, self.shape)
+        if self.counter._version != self.version:
+            raise version_error(self.counter._version, self.version, self.dtype, self.shape)
         x = self._restored
         if isinstance(x, weakref.ref):
             x = x()

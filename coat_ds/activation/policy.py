@@ -30,21 +30,33 @@ PER_GROUP = "per_group"
 FLOATS = frozenset((torch.float32, torch.bfloat16, torch.float16))  # the dtypes we ever quantize
 
 
-def _known(cond) -> bool:
-    # Eagerly a plain bool; under dynamic shapes a symbolic one, true only if provable, so
-    # that deciding never adds a guard (an unknown size is compressed).
-    return cond if type(cond) is bool else statically_known_true(cond)
-
-
 class Policy:
     """`decide(...)` for one configuration. Called once per saved tensor on the eager hot
-    path, so it is a few comparisons on arguments the caller already has."""
+    path, so it is a few comparisons on arguments the caller already has.
+
+    `decide` is `screen(...)`, on the facts every saved tensor has at hand, then, for a
+    tensor it leaves open, `candidate(...)` on the rest. The eager hooks call the two halves
+    themselves, reading the costlier facts (memory order, the linear-input and weight-copy
+    tables) only for the tensors the screen leaves open."""
 
     __slots__ = ("min_numel", "linear_kind")
 
     def __init__(self, config: ActivationConfig):
         self.min_numel = max(1, config.min_numel)
         self.linear_kind = PER_TENSOR if config.per_tensor_linear_inputs else PER_GROUP
+
+    def screen(self, dtype: torch.dtype, numel, grad_flows: bool, alive_anyway: bool) -> str | None:
+        """SKIP or KEEP where these facts settle it whatever the rest are, else None."""
+        if alive_anyway:
+            return SKIP
+        if not grad_flows or dtype not in FLOATS:
+            return KEEP
+        # Eagerly a plain bool; under dynamic shapes a symbolic one, true only if provable,
+        # so that deciding never adds a guard (an unknown size is compressed).
+        small = numel < self.min_numel
+        if small if type(small) is bool else statically_known_true(small):
+            return KEEP
+        return None
 
     def decide(self, dtype: torch.dtype, numel, row_len, dense_order: bool, grad_flows: bool,
                alive_anyway: bool, weight_copy: bool, linear_input: bool) -> str:
@@ -59,10 +71,16 @@ class Policy:
         alive_anyway: it outlives the region whatever we do (weights, buffers, caller's data).
         weight_copy: a dtype conversion of a weight (autocast's BF16 copy of an FP32 weight).
         linear_input: it is the input of a linear layer (eager path only)."""
-        if alive_anyway:
-            return SKIP
-        if weight_copy or dtype not in FLOATS or not dense_order or not grad_flows:
+        kind = self.screen(dtype, numel, grad_flows, alive_anyway)
+        if kind is not None:
+            return kind
+        return self.candidate(row_len, dense_order, weight_copy, linear_input)
+
+    def candidate(self, row_len, dense_order: bool, weight_copy: bool, linear_input: bool) -> str:
+        """The storage of a tensor that `screen` left open (facts as in `decide`)."""
+        if weight_copy or not dense_order:
             return KEEP
-        if _known(numel < self.min_numel) or _known(row_len == 1):
+        one = row_len == 1
+        if one if type(one) is bool else statically_known_true(one):
             return KEEP
         return self.linear_kind if linear_input else PER_GROUP

@@ -18,7 +18,12 @@ element would cost instructions on the GPU for nothing.
 
 Non-finite values pass through exactly (`reference.ACT_POS_INF` and co. say how): every max
 is over the finite values only, so a masked -inf logit cannot turn its group's finite values
-into zeros. That costs a compare and a few selects per element, nothing in memory traffic.
+into zeros. Their selects are paid only where they are needed: each quantizing program
+reduces the int32 bits of |x| (which order like |x|, inf above every finite value and NaN
+above inf) (per tensor: the max kernel does, over the whole tensor), and where that is
+finite takes the plain path, whose only extra step writes a value rounding to zero as +0
+(the -0 code stands for NaN). Blocks (tensors) holding an inf or a NaN take the full path;
+both give the same codes as the torch twins.
 """
 from __future__ import annotations
 
@@ -26,9 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import reference
+from . import fp8, reference
 from .act_launch import launch
-from .codec import decode_fp8, encode_fp8, pow2, scale_exponent
+from .codec import decode_fp8, encode_fp8, fmt_min_subnormal, pow2, scale_exponent
 from .fp8 import get_format, kernel_isa
 
 __all__ = ["quantize_tensor", "dequantize_tensor", "quantize_rows", "dequantize_rows", "BLOCK_ELEMS"]
@@ -60,20 +65,33 @@ def _scale_exponent(amax, FMT: tl.constexpr):
 _POS_INF = tl.constexpr(reference.ACT_POS_INF)
 _NEG_INF = tl.constexpr(reference.ACT_NEG_INF)
 _NAN = tl.constexpr(reference.ACT_NAN)
+_INF_BITS = tl.constexpr(0x7F800000)  # the bits of +inf: |x|'s bits are below them iff x is finite
 
 
 @triton.jit
-def _finite_abs(x):
-    a = tl.abs(x)
-    return tl.where(a < float("inf"), a, 0.0)  # NaN compares false too
+def _abs_bits(x):
+    """The int32 bits of float32 |x|: they order like |x|, +inf above every finite value and
+    NaN above +inf, so one integer max per block tells whether it is all finite."""
+    return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def _encode_finite(x, e, FMT: tl.constexpr, ISA: tl.constexpr):
+    """Codes of float32 `x` scaled by 2**-e (e broadcastable to x), finite values that round
+    to zero (the -0 code stands for NaN) as +0; non-finite values get no code of their own."""
+    y = x * pow2(-e)
+    # |y| <= half the smallest subnormal rounds to zero (the tie goes to the even zero).
+    # Settled on the float: on the codes, which the conversion returns four to a register,
+    # the same compare and select first unpack them (about twice the instructions).
+    y = tl.where(tl.abs(y) <= fmt_min_subnormal(FMT) * 0.5, 0.0, y)
+    return encode_fp8(y, FMT, ISA)
 
 
 @triton.jit
 def _encode_act(x, e, FMT: tl.constexpr, ISA: tl.constexpr):
     """Codes of float32 `x` scaled by 2**-e (e broadcastable to x), non-finite values as
     their own codes, finite zeros as +0."""
-    c = encode_fp8(x * pow2(-e), FMT, ISA)
-    c = tl.where(c == _NAN, 0, c)
+    c = _encode_finite(x, e, FMT, ISA)
     c = tl.where(x == float("inf"), _POS_INF, c)
     c = tl.where(x == float("-inf"), _NEG_INF, c)
     return tl.where(x != x, _NAN, c).to(tl.uint8)
@@ -92,11 +110,15 @@ def _decode_act(c, e, out_max, FMT: tl.constexpr, ISA: tl.constexpr):
 
 @triton.jit
 def _absmax_kernel(x_ptr, amax_bits_ptr, n, BLOCK: tl.constexpr):
+    """Folds its block into [max finite |x|, -, max |x|] (int32 bits; non-finite |x| is above
+    every finite one): the quantizer reads the first for its scale and the third to tell an
+    all-finite tensor, whose programs then all take the plain path."""
     base = tl.program_id(0).to(tl.int64) * BLOCK
     offs = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + base + offs, mask=offs < n - base, other=0.0).to(tl.float32)
-    block_max = tl.max(_finite_abs(x), axis=0)
-    tl.atomic_max(amax_bits_ptr, block_max.to(tl.int32, bitcast=True))
+    ab = _abs_bits(x)
+    tl.atomic_max(amax_bits_ptr, tl.max(tl.where(ab < _INF_BITS, ab, 0), axis=0))  # non-finite as 0
+    tl.atomic_max(amax_bits_ptr + 2, tl.max(ab, axis=0))
 
 
 @triton.jit
@@ -110,7 +132,11 @@ def _quantize_tensor_kernel(x_ptr, amax_bits_ptr, exp_ptr, codes_ptr, n, FMT: tl
     e = _scale_exponent(tl.load(amax_bits_ptr).to(tl.float32, bitcast=True), FMT)
     if pid == 0:
         tl.store(exp_ptr, e)
-    tl.store(codes_ptr + base + offs, _encode_act(x, e, FMT, ISA), mask=mask)
+    if tl.load(amax_bits_ptr + 2) < _INF_BITS:
+        c = _encode_finite(x, e, FMT, ISA)
+    else:
+        c = _encode_act(x, e, FMT, ISA)
+    tl.store(codes_ptr + base + offs, c, mask=mask)
 
 
 @triton.jit
@@ -163,8 +189,16 @@ def _quantize_rows_kernel(x_ptr, codes_ptr, exp_ptr, n_groups, cols, gpr,
     offs, valid, gl = _row_group_offsets(g0, n_groups, cols, gpr, G, BG, EVEN)
     base = _row_base(g0, cols, gpr, G, EVEN)
     x = tl.load(x_ptr + base + offs, mask=valid, other=0.0).to(tl.float32)
-    e = _scale_exponent(tl.max(_finite_abs(x), axis=1), FMT)
-    tl.store(codes_ptr + base + offs, _encode_act(x, e[:, None], FMT, ISA), mask=valid)
+    ab = _abs_bits(x)
+    gmax = tl.max(ab, axis=1)  # each group's max |x| as bits, if the group is finite
+    if tl.max(gmax, axis=0) < _INF_BITS:
+        e = _scale_exponent(gmax.to(tl.float32, bitcast=True), FMT)
+        c = _encode_finite(x, e[:, None], FMT, ISA)
+    else:
+        gmax = tl.max(tl.where(ab < _INF_BITS, ab, 0), axis=1)
+        e = _scale_exponent(gmax.to(tl.float32, bitcast=True), FMT)
+        c = _encode_act(x, e[:, None], FMT, ISA)
+    tl.store(codes_ptr + base + offs, c, mask=valid)
     tl.store(exp_ptr + g0 + gl, e.to(tl.int8), mask=gl < n_groups - g0)
 
 
@@ -180,11 +214,27 @@ def _dequantize_rows_kernel(codes_ptr, exp_ptr, out_ptr, n_groups, cols, gpr, ou
     tl.store(out_ptr + base + offs, x.to(out_ptr.dtype.element_ty), mask=valid)
 
 
+# (is_cuda, device index) -> ((device type, index), ISA). Every saved tensor calls `_check`
+# twice (pack and unpack), and `kernel_isa(x.device)` builds a device object and its key
+# each time. An entry stands while fp8's own cache still holds that device's ISA, which
+# `fp8.set_fp8_conversions` clears.
+_ISA_OF: dict = {}
+
+
 def _check(x: torch.Tensor) -> int:
-    """The kernels' ISA constexpr for x's device (see fp8.py)."""
+    """The kernels' ISA constexpr for x's device (see fp8.py). Outputs are then allocated
+    with `empty_like` (about half the host time of `torch.empty(shape, device=...)`), which
+    gives contiguous tensors for this contiguous x."""
     if not x.is_contiguous():
         raise ValueError("activation kernels take contiguous tensors")
-    return kernel_isa(x.device)
+    key = (x.is_cuda, x.get_device())
+    hit = _ISA_OF.get(key)
+    if hit is not None and fp8._ISA.get(hit[0]) == hit[1]:
+        return hit[1]
+    device = x.device
+    isa = kernel_isa(device)
+    _ISA_OF[key] = ((device.type, device.index), isa)
+    return isa
 
 
 def _rows(shape, numel: int, group_size: int) -> tuple[int, int, int]:
@@ -199,9 +249,9 @@ def quantize_tensor(x: torch.Tensor, fmt="e4m3") -> tuple[torch.Tensor, torch.Te
     isa = _check(x)
     fmt_id = get_format(fmt).id
     n = x.numel()
-    codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
-    # [max |x| as int32 bits, exponent]: one buffer, one memset.
-    scratch = torch.zeros(2, dtype=torch.int32, device=x.device)
+    codes = torch.empty_like(x, dtype=torch.uint8)  # x is contiguous (_check), so codes are too
+    # [max finite |x|, exponent, max |x|] (the maxima as int32 bits): one buffer, one memset.
+    scratch = torch.zeros(3, dtype=torch.int32, device=x.device)
     exp = scratch[1]
     n_prog = max(1, triton.cdiv(n, BLOCK_ELEMS))
     if n:
@@ -214,7 +264,7 @@ def dequantize_tensor(codes: torch.Tensor, exp: torch.Tensor, fmt="e4m3",
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of `quantize_tensor`, written in `dtype`."""
     isa = _check(codes)
-    out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
+    out = torch.empty_like(codes, dtype=dtype)
     n = codes.numel()
     if n:
         launch(_dequantize_tensor_kernel, triton.cdiv(n, BLOCK_ELEMS), (codes, exp, out, n, _out_max(dtype)),
@@ -227,8 +277,8 @@ def quantize_rows(x: torch.Tensor, group_size: int = 16, fmt="e4m3") -> tuple[to
     (rows, ceil(cols / G))); a short last group per row is padded with zeros."""
     isa = _check(x)
     rows, cols, gpr = _rows(x.shape, x.numel(), group_size)
-    codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
-    exps = torch.empty((rows, gpr), dtype=torch.int8, device=x.device)
+    codes = torch.empty_like(x, dtype=torch.uint8)
+    exps = x.new_empty((rows, gpr), dtype=torch.int8)
     n_groups = rows * gpr
     if n_groups:
         bg = max(1, BLOCK_ELEMS // group_size)
@@ -242,7 +292,7 @@ def dequantize_rows(codes: torch.Tensor, exps: torch.Tensor, group_size: int = 1
     """Inverse of `quantize_rows`, written in `dtype`."""
     isa = _check(codes)
     rows, cols, gpr = _rows(codes.shape, codes.numel(), group_size)
-    out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
+    out = torch.empty_like(codes, dtype=dtype)
     n_groups = rows * gpr
     if n_groups:
         bg = max(1, BLOCK_ELEMS // group_size)
