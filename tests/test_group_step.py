@@ -1,7 +1,8 @@
 """CoatAdamW's prepared group step (coat_ds/optim/group_step.py): reused while nothing it relied on
 changed, rebuilt (or bypassed) whenever something did. Every test changes one thing between
 steps and compares with an optimizer that never saw a prepared step for it: a stale prepared
-step gives other values. Triton backend through the interpreter, small tensors."""
+step gives other values. Triton backend, small tensors: through the interpreter on CPU, the
+real kernels where a GPU is present (CPU tensors there would take the host step instead)."""
 import os
 import sys
 
@@ -15,16 +16,17 @@ from coat_ds.kernels import adamw, fp8, set_fp8_conversions
 COAT_DIR = os.path.dirname(coat_ds.__file__)
 
 LR = 1e-2
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _params(seed=0, shapes=((16, 128), (64,), (8, 128))):
     g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=g) * 0.02) for s in shapes]
+    return [torch.nn.Parameter((torch.randn(s, generator=g) * 0.02).to(DEV)) for s in shapes]
 
 
 def _grad(p, seed):
     g = torch.Generator().manual_seed(seed * 1000 + p.numel())
-    return torch.randn(p.shape, generator=g) * 1e-2
+    return (torch.randn(p.shape, generator=g) * 1e-2).to(DEV)
 
 
 def _opt(params, **kw):
@@ -106,7 +108,7 @@ def test_changed_state_or_parameter_storage_is_what_the_next_step_writes(change)
 def test_empty_parameter_in_the_group_is_stepped_around():
     """An empty tensor (an FSDP2 shard can be one) has no row in the launch."""
     pa, pb = _params(), _params()
-    a, b = _opt([torch.nn.Parameter(torch.empty(0, 64))] + pa), _opt(pb)
+    a, b = _opt([torch.nn.Parameter(torch.empty(0, 64, device=DEV))] + pa), _opt(pb)
     for s in range(3):
         _step(a, a.param_groups[0]["params"], s)
         _step(b, pb, s)
@@ -214,7 +216,8 @@ class _NoLaunch:
 def _coat_calls_in_steady_step(n: int, monkeypatch) -> int:
     """Python functions of coat_ds entered by the third step of `n` tensors, kernel stubbed."""
     monkeypatch.setattr(adamw, "_adamw_kernel", _NoLaunch())
-    params = [torch.nn.Parameter(torch.randn(8, 128)) for _ in range(n)] + [torch.nn.Parameter(torch.randn(8))]
+    params = [torch.nn.Parameter(torch.randn(8, 128, device=DEV)) for _ in range(n)] + \
+        [torch.nn.Parameter(torch.randn(8, device=DEV))]
     for p in params:
         p.grad = torch.randn_like(p)
     opt = _opt(params)
