@@ -110,15 +110,22 @@ def _decode_act(c, e, out_max, FMT: tl.constexpr, ISA: tl.constexpr):
 
 @triton.jit
 def _absmax_kernel(x_ptr, amax_bits_ptr, n, BLOCK: tl.constexpr):
-    """Folds its block into [max finite |x|, -, max |x|] (int32 bits; non-finite |x| is above
-    every finite one): the quantizer reads the first for its scale and the third to tell an
-    all-finite tensor, whose programs then all take the plain path."""
+    """Folds its block into [max finite |x|, -, max |x| of blocks holding a non-finite value]
+    (int32 bits; non-finite |x| is above every finite one): the quantizer reads the first for
+    its scale and the third to tell an all-finite tensor, whose programs then all take the
+    plain path."""
     base = tl.program_id(0).to(tl.int64) * BLOCK
     offs = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + base + offs, mask=offs < n - base, other=0.0).to(tl.float32)
     ab = _abs_bits(x)
-    tl.atomic_max(amax_bits_ptr, tl.max(tl.where(ab < _INF_BITS, ab, 0), axis=0))  # non-finite as 0
-    tl.atomic_max(amax_bits_ptr + 2, tl.max(ab, axis=0))
+    block_max = tl.max(ab, axis=0)
+    # One reduction and one atomic for a finite block, as before non-finite values were
+    # handled; the third slot is written only by blocks holding an inf or a NaN.
+    if block_max < _INF_BITS:
+        tl.atomic_max(amax_bits_ptr, block_max)
+    else:
+        tl.atomic_max(amax_bits_ptr, tl.max(tl.where(ab < _INF_BITS, ab, 0), axis=0))  # non-finite as 0
+        tl.atomic_max(amax_bits_ptr + 2, block_max)
 
 
 @triton.jit
