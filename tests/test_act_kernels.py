@@ -182,8 +182,8 @@ def test_launchers_resolve_the_isa_once_per_device(monkeypatch):
 
     calls = []
     kernel_isa = fp8.kernel_isa
-    monkeypatch.setattr(act_quant, "kernel_isa", lambda d: calls.append(d) or kernel_isa(d))
-    monkeypatch.setattr(act_quant, "_ISA_OF", {}, raising=False)
+    monkeypatch.setattr(fp8, "kernel_isa", lambda d: calls.append(d) or kernel_isa(d))
+    monkeypatch.setattr(fp8, "_TENSOR_ISA", {})
     x = torch.randn(4, 32)
     for _ in range(3):
         assert act_quant._check(x) == kernel_isa(x.device)

@@ -31,10 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import fp8, reference
+from . import reference
 from .act_launch import launch
 from .codec import decode_fp8, encode_fp8, fmt_min_subnormal, pow2, scale_exponent
-from .fp8 import get_format, kernel_isa
+from .fp8 import get_format, tensor_isa
 
 __all__ = ["quantize_tensor", "dequantize_tensor", "quantize_rows", "dequantize_rows", "BLOCK_ELEMS"]
 
@@ -221,27 +221,13 @@ def _dequantize_rows_kernel(codes_ptr, exp_ptr, out_ptr, n_groups, cols, gpr, ou
     tl.store(out_ptr + base + offs, x.to(out_ptr.dtype.element_ty), mask=valid)
 
 
-# (is_cuda, device index) -> ((device type, index), ISA). Every saved tensor calls `_check`
-# twice (pack and unpack), and `kernel_isa(x.device)` builds a device object and its key
-# each time. An entry stands while fp8's own cache still holds that device's ISA, which
-# `fp8.set_fp8_conversions` clears.
-_ISA_OF: dict = {}
-
-
 def _check(x: torch.Tensor) -> int:
     """The kernels' ISA constexpr for x's device (see fp8.py). Outputs are then allocated
     with `empty_like` (about half the host time of `torch.empty(shape, device=...)`), which
     gives contiguous tensors for this contiguous x."""
     if not x.is_contiguous():
         raise ValueError("activation kernels take contiguous tensors")
-    key = (x.is_cuda, x.get_device())
-    hit = _ISA_OF.get(key)
-    if hit is not None and fp8._ISA.get(hit[0]) == hit[1]:
-        return hit[1]
-    device = x.device
-    isa = kernel_isa(device)
-    _ISA_OF[key] = ((device.type, device.index), isa)
-    return isa
+    return tensor_isa(x)
 
 
 def _rows(shape, numel: int, group_size: int) -> tuple[int, int, int]:

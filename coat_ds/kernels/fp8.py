@@ -146,6 +146,8 @@ def select_isa(capability: tuple[int, int] | None, hip: bool, force_portable: bo
 
 
 _ISA: dict = {}
+# (is_cuda, device index) -> ISA, for `tensor_isa`; cleared with _ISA.
+_TENSOR_ISA: dict = {}
 _LOGGED: set = set()
 _forced: list[str | None] = [None]
 
@@ -164,6 +166,7 @@ def set_fp8_conversions(mode: str | None) -> None:
         raise ValueError(f"FP8 conversions mode must be one of {_FP8_MODES} or None, got {mode!r}")
     _forced[0] = mode
     _ISA.clear()
+    _TENSOR_ISA.clear()
 
 
 def _fp8_mode() -> str:
@@ -185,6 +188,17 @@ def kernel_isa(device: torch.device) -> int:
         isa = _ISA[key] = select_isa(cap, torch.version.hip is not None, _fp8_mode() == "portable")
         where = f"{device.type}" + (f", compute capability {cap[0]}.{cap[1]}" if cap else "")
         _once((key, isa), f"coat_ds kernels on {where}: {PATH_NAMES[isa]}")
+    return isa
+
+
+def tensor_isa(x: torch.Tensor) -> int:
+    """`kernel_isa(x.device)` without building a device object and its key: on the
+    activation path every saved tensor asks twice (pack and unpack), and that construction
+    cost more than the rest of the launcher's checks."""
+    key = (x.is_cuda, x.get_device())
+    isa = _TENSOR_ISA.get(key)
+    if isa is None:
+        isa = _TENSOR_ISA[key] = kernel_isa(x.device)
     return isa
 
 
