@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from coat_ds import CoatAdamW, compress_activations, convert_to_fp8_linear  # noqa: E402
+from coat_ds.atomic import atomic_write  # noqa: E402
 from coat_ds.data import DataConfig, batch_seed, load_data  # noqa: E402
 from coat_ds.model import Llama, model_config  # noqa: E402
 
@@ -206,8 +207,7 @@ def _summary(results: list[dict]) -> dict:
 
 
 def _write(out: str, meta: dict, summary: dict, results: list[dict]) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out + ".json", "w") as f:
+    with atomic_write(out + ".json") as f:  # a killed run leaves the previous JSON whole
         json.dump(dict(meta=meta, summary=summary, runs=results), f, indent=1)
 
 

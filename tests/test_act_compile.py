@@ -11,7 +11,6 @@ from coat_ds import ActivationConfig
 from coat_ds.activation import hooks as hooks_module
 from coat_ds.activation.hooks import SavedTensorCompressor
 from coat_ds.activation.traced import TracedCodec
-from coat_ds.kernels import reference
 from test_act_llama_block import GRAD_SQNR_DB, block_grads, make_block, rope_tables, sqnr_db
 
 CFG = ActivationConfig(backend="torch", min_numel=256)
@@ -91,19 +90,35 @@ def test_torch_compile_inlines_fp8_into_the_graphs(backend):
         torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-def test_compiled_quantization_matches_the_reference_bitwise(fmt, device):
-    # Inductor generates its own FP8 casts for the inlined pack: they must give our codes.
-    torch.manual_seed(4)
-    x = (torch.randn(64, 96, device=device) * torch.exp(torch.randn(64, 96, device=device) * 3)).to(torch.bfloat16)
-    x[3] = 0  # all-zero groups stay zero
-    codec = TracedCodec(ActivationConfig(other_format=fmt))
-    want = reference.act_quantize_rows(x, 16, codec.fmt)
-    got = torch.compile(lambda t: reference.act_quantize_rows(t, 16, codec.fmt), backend="inductor")(x)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    back = torch.compile(lambda c, e: reference.act_dequantize_rows(c, e, 16, codec.fmt, torch.bfloat16))(*got)
-    assert torch.equal(back, reference.act_dequantize_rows(*want, 16, codec.fmt, torch.bfloat16))
-    assert torch.isfinite(back).all() and (back[3] == 0).all()
+class _Mlp(torch.nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(d, 3 * d), torch.nn.Linear(3 * d, d)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def test_compiled_rows_not_a_multiple_of_the_group_size(device):
+    # Rows of 40 and 120: the per-row padded layout read the last group of every row back as
+    # zeros under Inductor's CPU backend (15.5 dB here, 46 dB eagerly).
+    def grads(compress: bool, compile_: bool):
+        torch.manual_seed(0)
+        m, x = _Mlp(40).to(device), torch.randn(8, 64, 40, device=device)
+        if compile_:
+            m.compile()
+        handle = coat_ds.compress_activations(m, config=CFG) if compress else None
+        try:
+            m(x).pow(2).sum().backward()
+        finally:
+            if handle is not None:
+                handle.remove()
+            torch._dynamo.reset()
+        return torch.cat([p.grad.flatten() for p in m.parameters()])
+
+    want = grads(False, False)
+    eager, compiled = sqnr_db(want, grads(True, False)), sqnr_db(want, grads(True, True))
+    assert eager > 35 and compiled > 35, (eager, compiled)
 
 
 @pytest.mark.gpu

@@ -10,9 +10,10 @@ the kernels that produce the tensor and the dequantization into those that read 
 and no Python runs per saved tensor: the host cost that dominates the eager path is gone.
 
 What to keep exact is decided by the same policy as eagerly (policy.py), from facts read off
-the forward and backward graphs. A compressed value is quantized per group (1 x group_size,
-the non-linear inputs' granularity) whatever op saved it: a graph's saved value does not say
-which op it feeds. Tensors are quantized in memory order and come back with their strides."""
+the forward and backward graphs. A compressed value is quantized per group (group_size
+consecutive elements, the non-linear inputs' granularity) whatever op saved it: a graph's
+saved value does not say which op it feeds. Tensors are quantized in memory order and come
+back with their strides; the codec is kernels/graph_codec.py, written for Inductor."""
 from __future__ import annotations
 
 import hashlib
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 import torch._functorch.config as functorch_config
 from ..config import ActivationConfig
-from ..kernels import fp8, reference
+from ..kernels import fp8, graph_codec, reference
 from ..kernels.fp8 import get_format
 from .packing import memory_order
 from .policy import KEEP, SKIP, Policy
@@ -66,7 +67,8 @@ def _stands_for_a_hook(x):
 def code_hash(config: ActivationConfig) -> str:
     """What the traced pack/unpack depend on: this code and the config."""
     h = hashlib.sha256(repr(config).encode())
-    for path in (*sorted(Path(__file__).parent.glob("*.py")), Path(reference.__file__), Path(fp8.__file__)):
+    for path in (*sorted(Path(__file__).parent.glob("*.py")), Path(graph_codec.__file__), Path(reference.__file__),
+                 Path(fp8.__file__)):
         h.update(path.read_bytes())
     return h.hexdigest()
 
@@ -185,11 +187,11 @@ class TracedCodec:
                                   dense_order=perm is not None, linear_input=False, **_saved_value_facts())
         if kind is SKIP or kind is KEEP or not x.is_contiguous():
             return t  # a view with gaps: the eager path copies it; a graph rarely saves one
-        codes, exps = reference.act_quantize_rows(x, self.group_size, self.fmt)
+        codes, exps = graph_codec.graph_quantize(x, self.group_size, self.fmt)
         inverse = tuple(perm.index(d) for d in range(len(perm))) if perm else ()
         return TRACED_TAG, codes, exps, t.dtype, inverse
 
     def unpack(self, packed) -> torch.Tensor:
         _, codes, exps, dtype, inverse = packed
-        x = reference.act_dequantize_rows(codes, exps, self.group_size, self.fmt, dtype)
+        x = graph_codec.graph_dequantize(codes, exps, self.group_size, self.fmt, dtype)
         return x.permute(inverse) if inverse else x
