@@ -4,7 +4,7 @@ act_memory.py: which part of the traced codec costs step time.
 Each variant swaps the functions traced.py calls (graph_codec.graph_quantize and
 graph_dequantize) and recompiles (Dynamo reset, compile caches off, so that no variant
 reuses another's graphs); the BF16 step is re-measured beside each, and variants run in
-turns, ROUNDS times, so drift shows as spread. One H100, about 1 minute per variant-round:
+turns, ROUNDS times, so drift shows as spread. One H100, 10-30 s per variant and round:
 
     python bench/act_traced_ab.py --rounds 2 --variants graph_codec eager_codec finite_only
 """
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from coat_ds.kernels import graph_codec, reference as ref
 from coat_ds.kernels.fp8 import get_format
 
-import act_memory  # noqa: E402  (bench/ is the script's directory)
+import act_memory  # bench/ is the script's directory, on sys.path when run as a script
 
 
 def _quant_finite_only(x, group_size=16, fmt="e4m3"):

@@ -17,8 +17,9 @@ guarantees with fewer instructions, by choosing codes the cast itself produces:
   non-finite values counted as 0: no NaN checks in the reduction;
 * groups are G consecutive elements of the flattened tensor, which is padded once at its
   end: a group may span two rows where a row is not a multiple of G. Padding each row
-  (the eager layout) miscompiles on Inductor's CPU backend (torch 2.13: the last group of
-  every row read back as zeros after slicing the padding off).
+  (the eager layout) miscompiles on Inductor's CPU backend (torch 2.11 and 2.13; CUDA
+  Inductor gets it right): the last group of every row read back as zeros after slicing
+  the padding off.
 
 Zeros keep their sign, all-zero groups stay zero, and finite values never come back as
 inf (decoding clamps to the output dtype's range). Codes and exponents are private to the
@@ -41,8 +42,9 @@ _MANTISSA_0625 = 0x500000  # 1.625 = 1 + 0x500000 / 2**23
 
 def graph_scale_exponent(amax_bits: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     """Smallest e with amax * 2**-e < 1.625 * 2**E (int32, clamped to [-126, 126]), from the
-    int32 bits of a finite non-negative float32 amax."""
-    emax = round(fmt.log2_max - 0.8073549220576041)  # log2(1.75): both maxima are 1.75 * 2**E
+    int32 bits of a finite non-negative float32 amax: reference.scale_exponent's reading of
+    the bits, with the mantissa threshold at 1.625 rather than above 1.75."""
+    emax = int(fmt.log2_max)  # both maxima are 1.75 * 2**E
     e = ((amax_bits >> 23) & 0xFF) - (127 + emax) + ((amax_bits & _MANTISSA) >= _MANTISSA_0625).to(torch.int32)
     return e.clamp(-126, 126)
 
