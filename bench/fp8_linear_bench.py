@@ -106,7 +106,7 @@ def run_side(shape: str, side: str, bs: int, seq: int, steps: int, profile: bool
         with prof(activities=[ProfilerActivity.CUDA]) as p:
             step()
             torch.cuda.synchronize()
-        print(p.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90), flush=True)
+        print(p.key_averages().table(sort_by="cuda_time_total", row_limit=70, max_name_column_width=220), flush=True)
     return out
 
 

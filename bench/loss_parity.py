@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from coat_ds import CoatAdamW, compress_activations, convert_to_fp8_linear  # noqa: E402
+from coat_ds import CoatAdamW, Fp8LinearConfig, compress_activations, convert_to_fp8_linear  # noqa: E402
 from coat_ds.atomic import atomic_write  # noqa: E402
 from coat_ds.data import DataConfig, batch_seed, load_data  # noqa: E402
 from coat_ds.model import Llama, model_config  # noqa: E402
@@ -42,6 +42,7 @@ VARIANTS = {
     "coat": "CoatAdamW (FP8 moments, DRE)",
     "coat_act": "CoatAdamW + FP8 activations",
     "coat_fp8": "CoatAdamW + FP8 activations + FP8 linears",
+    "coat_fp8_e4m3g": "CoatAdamW + FP8 activations + FP8 linears, E4M3 output gradients",
     # A negative control, not run by default: per-group absmax FP8 moments without DRE. It
     # shows that the parity measurement can tell a good quantizer from a poor one.
     "coat_nodre": "CoatAdamW without DRE (control)",
@@ -72,9 +73,10 @@ def run_variant(variant: str, args, data, device: torch.device) -> dict:
     else:
         opt = CoatAdamW(model.parameters(), lr=args.lr, betas=betas, weight_decay=args.weight_decay,
                         dynamic_range_expansion=variant != "coat_nodre")
-    if variant == "coat_fp8":
-        convert_to_fp8_linear(model)
-    handle = compress_activations(model) if variant in ("coat_act", "coat_fp8") else None
+    if variant.startswith("coat_fp8"):
+        grad_format = "e4m3" if variant == "coat_fp8_e4m3g" else Fp8LinearConfig().grad_format
+        convert_to_fp8_linear(model, config=Fp8LinearConfig(grad_format=grad_format))
+    handle = compress_activations(model) if variant == "coat_act" or variant.startswith("coat_fp8") else None
     if args.compile:
         for block in model.blocks:  # in place, as train.py --compile does
             block.compile()

@@ -153,6 +153,10 @@ _forced: list[str | None] = [None]
 
 
 def _once(key, msg: str) -> None:
+    # Dynamo cannot trace a Logger call: logging while a graph is traced would break the
+    # graph at the first converted layer. The eager call that follows logs it.
+    if torch.compiler.is_compiling():
+        return
     if key not in _LOGGED:
         _LOGGED.add(key)
         _log.info(msg)

@@ -40,9 +40,9 @@ def _finite_absmax_kernel(x_ptr, amax_bits_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _quantize_t_kernel(x_ptr, amax_bits_ptr, exp_ptr, codes_ptr, codes_t_ptr, M, K, MP, n_k,
+def _quantize_t_kernel(x_ptr, src_ptr, exp_ptr, codes_ptr, codes_t_ptr, M, K, MP, n_k,
                        FMT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, ROW: tl.constexpr,
-                       TRANS: tl.constexpr, ISA: tl.constexpr):
+                       TRANS: tl.constexpr, GIVEN_EXP: tl.constexpr, ISA: tl.constexpr):
     pid = tl.program_id(0)
     pm = pid // n_k
     pk = pid % n_k
@@ -52,7 +52,11 @@ def _quantize_t_kernel(x_ptr, amax_bits_ptr, exp_ptr, codes_ptr, codes_t_ptr, M,
     mask = (rm[:, None] < M) & in_k
     offs = rm[:, None].to(tl.int64) * K + rk[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    e = tl.minimum(tl.maximum(scale_exponent(tl.load(amax_bits_ptr).to(tl.float32, bitcast=True), FMT), -126), 126)
+    # src_ptr holds the exponent itself (GIVEN_EXP) or the max pass's float bits.
+    if GIVEN_EXP:
+        e = tl.load(src_ptr)
+    else:
+        e = tl.minimum(tl.maximum(scale_exponent(tl.load(src_ptr).to(tl.float32, bitcast=True), FMT), -126), 126)
     if pid == 0:
         tl.store(exp_ptr, e)
     codes = encode_fp8(x * pow2(-e), FMT, ISA)
@@ -65,10 +69,12 @@ def _quantize_t_kernel(x_ptr, amax_bits_ptr, exp_ptr, codes_ptr, codes_t_ptr, M,
 
 
 def linear_quantize(x: torch.Tensor, fmt="e4m3", rowwise: bool = True, transposed: bool = False,
-                    pad: int = GEMM_ALIGN) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+                    pad: int = GEMM_ALIGN, exp: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """Per-tensor FP8 of a contiguous 2-D (M, K) `x`: (codes (M, K) or None, transposed
     codes (K, M padded to a multiple of `pad`) or None, int32 exponent of shape ()), codes
-    uint8 with x ~ q * 2**e; see reference.linear_quantize."""
+    uint8 with x ~ q * 2**e; with `exp` (int32, one element, on x's device) that exponent is
+    used and the max pass is skipped. See reference.linear_quantize."""
     if x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"linear_quantize takes a contiguous 2-D tensor, got shape {tuple(x.shape)}")
     isa = kernel_isa(x.device)
@@ -77,18 +83,23 @@ def linear_quantize(x: torch.Tensor, fmt="e4m3", rowwise: bool = True, transpose
     dev = x.device
     codes = torch.empty((m, k), dtype=torch.uint8, device=dev) if rowwise else None
     codes_t = torch.empty((k, mp), dtype=torch.uint8, device=dev) if transposed else None
-    amax_bits = torch.zeros(1, dtype=torch.int32, device=dev)
-    # Its own allocation, not a view into amax_bits: Inductor asserts that a custom op's
-    # outputs are 16-byte aligned.
+    given = exp is not None
+    if given:
+        src = exp.to(device=dev, dtype=torch.int32).reshape(1)
+    else:
+        src = torch.zeros(1, dtype=torch.int32, device=dev)
+        if m * k:
+            launch(_finite_absmax_kernel, triton.cdiv(m * k, _ABSMAX_BLOCK), (x, src, m * k), (_ABSMAX_BLOCK,),
+                   _NUM_WARPS)
+    # A fresh tensor even when given (a custom op's outputs may not alias its inputs), and
+    # its own allocation, not a view: Inductor asserts that a custom op's outputs are
+    # 16-byte aligned. The kernel's first program writes it.
     exp = torch.empty((), dtype=torch.int32, device=dev)
-    n = m * k
-    if n:
-        launch(_finite_absmax_kernel, triton.cdiv(n, _ABSMAX_BLOCK), (x, amax_bits, n), (_ABSMAX_BLOCK,), _NUM_WARPS)
     n_k = max(1, triton.cdiv(k, _BK))
     n_prog = max(1, triton.cdiv(mp, _BM) * n_k)
     # Absent outputs get a valid pointer; the constexpr flags keep the kernel off them.
-    out = codes if codes is not None else amax_bits
-    out_t = codes_t if codes_t is not None else amax_bits
-    launch(_quantize_t_kernel, n_prog, (x, amax_bits, exp, out, out_t, m, k, mp, n_k),
-           (get_format(fmt).id, _BM, _BK, rowwise, transposed, isa), _NUM_WARPS)
+    out = codes if codes is not None else src
+    out_t = codes_t if codes_t is not None else src
+    launch(_quantize_t_kernel, n_prog, (x, src, exp, out, out_t, m, k, mp, n_k),
+           (get_format(fmt).id, _BM, _BK, rowwise, transposed, given, isa), _NUM_WARPS)
     return codes, codes_t, exp

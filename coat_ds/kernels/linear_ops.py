@@ -24,20 +24,22 @@ def _split(codes, codes_t, e, rowwise: bool, transposed: bool):
 
 
 @torch.library.custom_op("coat_ds::fp8_linear_quantize", mutates_args=())
-def _quantize_op(x: torch.Tensor, fmt_id: int, rowwise: bool, transposed: bool) -> tuple[
-        torch.Tensor, torch.Tensor, torch.Tensor]:
+def _quantize_op(x: torch.Tensor, fmt_id: int, rowwise: bool, transposed: bool,
+                 exp: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     fmt = _FORMATS[fmt_id]
     if triton_usable(x.device):
         from .fp8_linear import linear_quantize
 
-        out = linear_quantize(x.contiguous(), fmt, rowwise, transposed, GEMM_ALIGN)
+        out = linear_quantize(x.contiguous(), fmt, rowwise, transposed, GEMM_ALIGN, exp)
     else:
-        out = reference.linear_quantize(x, fmt, rowwise, transposed, GEMM_ALIGN)
+        out = reference.linear_quantize(x, fmt, rowwise, transposed, GEMM_ALIGN, exp)
+        if exp is not None:
+            out = (out[0], out[1], out[2].clone())  # a custom op's outputs may not alias its inputs
     return _split(*out, rowwise, transposed)
 
 
 @_quantize_op.register_fake
-def _(x, fmt_id, rowwise, transposed):
+def _(x, fmt_id, rowwise, transposed, exp=None):
     m, k = x.shape
     mp = -(-m // GEMM_ALIGN) * GEMM_ALIGN
     codes = x.new_empty((m, k) if rowwise else (0,), dtype=torch.uint8)
@@ -45,18 +47,19 @@ def _(x, fmt_id, rowwise, transposed):
     return codes, codes_t, x.new_empty((), dtype=torch.int32)
 
 
-def _custom_quantize(x, fmt, rowwise, transposed):
-    codes, codes_t, e = _quantize_op(x, get_format(fmt).id, rowwise, transposed)
+def _custom_quantize(x, fmt, rowwise, transposed, exp=None):
+    codes, codes_t, e = _quantize_op(x, get_format(fmt).id, rowwise, transposed, exp)
     return (codes if rowwise else None), (codes_t if transposed else None), e
 
 
-def _torch_quantize(x, fmt, rowwise, transposed):
-    return reference.linear_quantize(x, fmt, rowwise, transposed, GEMM_ALIGN)
+def _torch_quantize(x, fmt, rowwise, transposed, exp=None):
+    return reference.linear_quantize(x, fmt, rowwise, transposed, GEMM_ALIGN, exp)
 
 
 def get_linear_ops(device: torch.device, backend: str = "auto"):
-    """`quantize(x2d, fmt, rowwise, transposed) -> (codes | None, codes_t | None, exp)` for
-    tensors on `device`: "triton" (the custom op over the Triton kernels), "torch" (the twin)
+    """`quantize(x2d, fmt, rowwise, transposed, exp=None) -> (codes | None, codes_t | None,
+    exp)` for tensors on `device` (`exp`: use this exponent instead of reading the max):
+    "triton" (the custom op over the Triton kernels), "torch" (the twin)
     or "auto": the twin while torch.compile traces (Inductor then fuses the casts into their
     producers) and on CPU, the Triton op on CUDA."""
     if backend == "auto" and torch.compiler.is_compiling():

@@ -303,22 +303,34 @@ def linear_finite_absmax(x: torch.Tensor) -> torch.Tensor:
 
     A -inf in a masked input must not make the scale infinite: every finite value would
     then encode to 0."""
-    a = x.to(torch.float32).abs()
-    return torch.where(a < float("inf"), a, 0.0).amax() if x.numel() else a.new_zeros(())
+    a = _exact_scaling_dtype(x).abs()
+    return torch.where(a < float("inf"), a, 0.0).amax().to(torch.float32) if x.numel() else \
+        a.new_zeros((), dtype=torch.float32)
+
+
+def _exact_scaling_dtype(x: torch.Tensor) -> torch.Tensor:
+    """`x` itself where scaling it by a power of two is exact (BF16 has FP32's exponent
+    range), else as FP32. Not upcasting a BF16 tensor matters under torch.compile: Inductor
+    folds `to(bf16).to(fp32)` chains, and the FP32 tensor it then materializes for two
+    consumers (max, cast) doubles the bytes moved."""
+    return x if x.dtype in (torch.bfloat16, torch.float32) else x.to(torch.float32)
 
 
 def linear_quantize(x: torch.Tensor, fmt="e4m3", rowwise: bool = True, transposed: bool = False,
-                    pad: int = 16) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """Per-tensor FP8 of a 2-D (M, K) `x` with a power-of-two scale 2**e from its finite max.
+                    pad: int = 16, exp: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """Per-tensor FP8 of a 2-D (M, K) `x` with a power-of-two scale 2**e from its finite max,
+    or with the given int32 exponent `exp` (the max is then not read: a weight quantized
+    again in backward keeps its forward scale).
 
     Returns (codes (M, K) or None, transposed codes (K, M padded with zero columns to a
     multiple of `pad`) or None, int32 exponent e of shape ()); codes are uint8, x ~ q * 2**e.
     The transposed copy is what a GEMM that contracts over M (the weight gradient) reads."""
     fmt = get_format(fmt)
-    e = act_scale_exponent(linear_finite_absmax(x), fmt)
+    e = act_scale_exponent(linear_finite_absmax(x), fmt) if exp is None else exp.to(torch.int32).reshape(())
     # A saturating cast (clamp, then torch's RNE cast) equals encode_fp8 on every non-NaN
     # value, and compiles to one Inductor kernel without encode_fp8's integer sign fix-up.
-    codes = (x.to(torch.float32) * pow2(-e)).clamp(-fmt.max, fmt.max).to(fmt.dtype).view(torch.uint8)
+    codes = (_exact_scaling_dtype(x) * pow2(-e)).clamp(-fmt.max, fmt.max).to(fmt.dtype).view(torch.uint8)
     codes_t = None
     if transposed:
         m = x.shape[0]

@@ -5,7 +5,7 @@ forward GEMM and transposed for the weight-gradient GEMM, which contracts over t
 the transposed codes and their scale are saved; no high-precision copy of the input is
 kept. The weight is saved as the Parameter it is (alive anyway; FSDP2 and ZeRO-3 gather it
 again for backward) and quantized again there, straight into the transposed layout the
-input-gradient GEMM reads, with the scale kept from forward.
+input-gradient GEMM reads, with the exponent kept from forward: one pass, no second max.
 
 Where the device has no FP8 GEMMs, forward computes in the input's precision from the
 input itself and backward's weight gradient from the dequantized FP8 copy: the memory
@@ -64,6 +64,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.save_for_backward(xq_t, ex, weight, ew)
         ctx.fmts, ctx.fp8_gemm, ctx.backend = (f_in, f_w, f_g), fp8_gemm, backend
         ctx.m, ctx.x_dtype, ctx.x_shape, ctx.has_bias = x.shape[0], x.dtype, x_nd.shape, bias is not None
+        ctx.out_dtype = out_dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return y
 
@@ -80,8 +81,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
             quantize = get_linear_ops(gy.device, ctx.backend)
             gq, gq_t, eg = quantize(gy, f_g, need_dx, need_dw)
             if need_dx:
-                _, wq_t, _ = quantize(weight, f_w, False, True)
-                dx = _mm(gq, f_g, eg, wq_t, f_w, ew, ctx.x_dtype)
+                # The forward scale, so no max pass over the weight again: the weight has
+                # not changed, and the codes equal forward's.
+                _, wq_t, _ = quantize(weight, f_w, False, True, ew)
+                # In the compute dtype, then cast, as nn.Linear under autocast does: an FP32
+                # input (an FP32 RMSNorm's output) would otherwise get an FP32 GEMM output,
+                # twice the bytes written and read again by the next kernel.
+                dx = _mm(gq, f_g, eg, wq_t, f_w, ew, ctx.out_dtype).to(ctx.x_dtype)
             if need_dw:
                 # Both transposed copies carry the same zero padding of the token dim.
                 dw = _mm(gq_t, f_g, eg, xq_t, f_in, ex, weight.dtype)
