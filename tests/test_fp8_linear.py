@@ -351,3 +351,68 @@ def test_twin_scales_bf16_without_upcasting_and_agrees():
         got = reference.linear_quantize(x, fmt, True, True)
         want = reference.linear_quantize(x.float(), fmt, True, True)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[2].item() == want[2].item()
+
+
+class _Siblings(nn.Module):
+    """Three layers reading one input, as q/k/v do."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(K, N) for _ in range(3))
+
+    def forward(self, x):
+        return self.q(x) + self.k(x) * 2 + self.v(x) * 3
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_sibling_layers_share_one_fp8_copy_of_their_input(monkeypatch, backend):
+    """Eagerly, layers called on the same tensor quantize it once and backward keeps one
+    copy; the gradients are those of separate copies (the codes are the same)."""
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+    from coat_ds.linear import shared_input
+
+    torch.manual_seed(8)
+    m = _Siblings()
+    convert_to_fp8_linear(m, config=Fp8LinearConfig(fp8_gemm="on", backend=backend),
+                          module_filter_fn=lambda mod, fqn: True)
+    x, g = torch.randn(B, S, K), torch.randn(B, S, N)
+    saved = [t for t in _saved_by(m, x) if t.dtype == torch.uint8]
+    assert len(saved) == 3 and len({t.untyped_storage().data_ptr() for t in saved}) == 1
+    shared_input.clear()
+
+    def grads(share: bool):
+        if not share:
+            monkeypatch.setattr(shared_input, "lookup", lambda x, recipe: None)
+        m.zero_grad(set_to_none=True)
+        xr = x.clone().requires_grad_()
+        m(xr).backward(g)
+        return [xr.grad] + [p.grad for p in m.parameters()]
+
+    shared, separate = grads(True), grads(False)
+    for a, b in zip(shared, separate):
+        assert torch.equal(a, b)
+
+
+def test_shared_input_misses_on_change_and_clears_in_backward():
+    """An in-place change of the input, another recipe or a new tensor is a miss; backward
+    drops the entry."""
+    from coat_ds.linear import shared_input
+
+    torch.manual_seed(9)
+    m = _Siblings()
+    convert_to_fp8_linear(m, config=Fp8LinearConfig(fp8_gemm="on", backend="torch"),
+                          module_filter_fn=lambda mod, fqn: True)
+    x = torch.randn(B, S, K)
+    with torch.no_grad():
+        m.q(x)
+        assert shared_input.lookup(x, ("e4m3", True, "torch")) is not None
+        assert shared_input.lookup(x, ("e5m2", True, "torch")) is None
+        assert shared_input.lookup(x.clone(), ("e4m3", True, "torch")) is None
+        x.mul_(100)  # the cached codes no longer match x
+        assert shared_input.lookup(x, ("e4m3", True, "torch")) is None
+        y_after, y_fresh = m.k(x), nn.functional.linear(x, m.k.weight, m.k.bias)
+    assert sqnr_db(y_fresh, y_after) > FWD_DB
+    xr = x.clone().requires_grad_()
+    m(xr).sum().backward()
+    assert shared_input.lookup(xr, ("e4m3", True, "torch")) is None

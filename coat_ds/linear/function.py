@@ -3,9 +3,10 @@
 Forward quantizes the input once per tensor (E4M3) into two layouts: row-major for the
 forward GEMM and transposed for the weight-gradient GEMM, which contracts over tokens. Only
 the transposed codes and their scale are saved; no high-precision copy of the input is
-kept. The weight is saved as the Parameter it is (alive anyway; FSDP2 and ZeRO-3 gather it
-again for backward) and quantized again there, straight into the transposed layout the
-input-gradient GEMM reads, with the exponent kept from forward: one pass, no second max.
+kept, and layers reading the same input share one copy (shared_input.py). The weight is
+saved as the Parameter it is (alive anyway; FSDP2 and ZeRO-3 gather it again for backward)
+and quantized again there, straight into the transposed layout the input-gradient GEMM
+reads, with the exponent kept from forward: one pass, no second max.
 
 Where the device has no FP8 GEMMs, forward computes in the input's precision from the
 input itself and backward's weight gradient from the dequantized FP8 copy: the memory
@@ -17,6 +18,7 @@ import torch
 from ..kernels import reference
 from ..kernels.fp8 import get_format
 from ..kernels.linear_ops import get_linear_ops
+from . import shared_input
 
 __all__ = ["fp8_linear"]
 
@@ -39,7 +41,14 @@ class _Fp8LinearFunction(torch.autograd.Function):
             x = x.contiguous()
         f_in, f_w, f_g = (get_format(f) for f in fmts)
         quantize = get_linear_ops(x.device, backend)
-        xq, xq_t, ex = quantize(x, f_in, fp8_gemm, True)
+        eager = not torch.compiler.is_compiling()
+        recipe = (f_in.name, fp8_gemm, backend)
+        shared = shared_input.lookup(x_nd, recipe) if eager else None
+        if shared is None:
+            shared = quantize(x, f_in, fp8_gemm, True)
+            if eager:
+                shared_input.remember(x_nd, recipe, shared)
+        xq, xq_t, ex = shared
         ew = None
         if fp8_gemm:
             wq, _, ew = quantize(weight, f_w, True, False)
@@ -70,6 +79,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy):
+        shared_input.clear()
         xq_t, ex, weight, ew = ctx.saved_tensors
         f_in, f_w, f_g = ctx.fmts
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]

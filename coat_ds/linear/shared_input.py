@@ -1,0 +1,41 @@
+"""One FP8 copy of an input that several converted layers read (q/k/v, gate/up).
+
+Eagerly, sibling layers are called one after another on the same tensor object. Each would
+quantize it again and backward would keep one copy per layer: three for an attention
+block's input. The last input quantized in forward is remembered here, keyed on the tensor
+object (a weak reference), its version counter (an in-place change is a miss) and the
+recipe, so its siblings reuse the codes and save the same tensor for backward.
+
+Under torch.compile nothing is remembered: the traced graph holds the same computation
+three times, and its CSE merges it. The entry is dropped when any converted layer's
+backward starts (forward is over by then), so the last codes of a forward do not stay
+alive through backward."""
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+__all__ = ["clear", "lookup", "remember"]
+
+_local = threading.local()
+
+
+def lookup(x: torch.Tensor, recipe: tuple) -> tuple | None:
+    """The codes remembered for `x` under `recipe`, or None."""
+    entry = getattr(_local, "entry", None)
+    if entry is None:
+        return None
+    ref, version, entry_recipe, codes = entry
+    if ref() is not x or x._version != version or entry_recipe != recipe:
+        return None
+    return codes
+
+
+def remember(x: torch.Tensor, recipe: tuple, codes: tuple) -> None:
+    _local.entry = (weakref.ref(x), x._version, recipe, codes)
+
+
+def clear() -> None:
+    _local.entry = None
