@@ -79,7 +79,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy):
-        shared_input.clear()
+        if not torch.compiler.is_compiling():  # Dynamo traces this backward too
+            shared_input.clear()
         xq_t, ex, weight, ew = ctx.saved_tensors
         f_in, f_w, f_g = ctx.fmts
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
