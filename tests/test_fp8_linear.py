@@ -372,13 +372,22 @@ def test_sibling_layers_share_one_fp8_copy_of_their_input(monkeypatch, backend):
     copy; the gradients are those of separate copies (the codes are the same)."""
     if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+    _check_siblings_share(monkeypatch, backend, "cpu")
+
+
+@pytest.mark.gpu
+def test_sibling_layers_share_one_fp8_copy_on_cuda(monkeypatch):
+    _check_siblings_share(monkeypatch, "auto", "cuda")
+
+
+def _check_siblings_share(monkeypatch, backend, device):
     from coat_ds.linear import shared_input
 
     torch.manual_seed(8)
-    m = _Siblings()
+    m = _Siblings().to(device)
     convert_to_fp8_linear(m, config=Fp8LinearConfig(fp8_gemm="on", backend=backend),
                           module_filter_fn=lambda mod, fqn: True)
-    x, g = torch.randn(B, S, K), torch.randn(B, S, N)
+    x, g = torch.randn(B, S, K, device=device), torch.randn(B, S, N, device=device)
     saved = [t for t in _saved_by(m, x) if t.dtype == torch.uint8]
     assert len(saved) == 3 and len({t.untyped_storage().data_ptr() for t in saved}) == 1
     shared_input.clear()
