@@ -135,3 +135,55 @@ def test_search_arguments_and_measurements_round_trip():
         search_plan(model, 1e9, micro_batches=(0,))
     only = search_plan(model, 1e9, micro_batches=(2,), choices=("fp8",))
     assert only.micro_batch == 2 and only.counts()["fp8"] == 3
+
+
+def test_search_verified_replans_when_the_measured_peak_is_over():
+    """A "device" on which mixed plans take more memory than the model predicts (uniform
+    ones exactly what it predicts, as measured on the H100): the first pick is over the
+    budget, the re-search with the error as a margin picks one that fits, and the returned
+    plan carries the caller's budget. Without the check the over-budget plan is returned."""
+    from coat_ds.plan import search_verified
+
+    model = CostModel.from_measurements(_synthetic(2, 5))
+    over = 0.08  # mixed plans measure 8% above their prediction (the ~1B 60% plan: +8.8%)
+
+    def measure(plan):
+        peak, step = model.predict([c for _, c in plan.layers], plan.micro_batch)
+        mixed = len({c for _, c in plan.layers}) > 1
+        return peak * (1 + over if mixed else 1), step
+
+    checked = fitted = 0
+    for budget in (1e5 * 1.1 ** k for k in range(30)):
+        first = search_plan(model, budget, max_batch=8)
+        if first is None or measure(first)[0] <= budget:
+            continue
+        checked += 1
+        said = []
+        plan, attempts = search_verified(model, budget, measure, max_batch=8, say=said.append)
+        assert attempts[0]["plan"].layers == first.layers and attempts[0]["peak_bytes"] > budget
+        assert said and "over the budget" in said[0]
+        assert len(attempts) <= 3
+        if plan is not None:
+            fitted += 1
+            assert measure(plan)[0] <= budget and plan.budget_bytes == budget
+            assert attempts[-1]["search_budget_bytes"] < budget
+    assert checked >= 4 and fitted == checked  # here every over-budget first pick is replaced by one that fits
+
+
+def test_search_verified_returns_the_first_fit_and_checks_tries():
+    from coat_ds.plan import search_verified
+
+    model = CostModel.from_measurements(_synthetic(2, 4))
+    runs = []
+
+    def exact(plan):
+        runs.append(plan)
+        return model.predict([c for _, c in plan.layers], plan.micro_batch)
+
+    plan, attempts = search_verified(model, 1e12, exact, max_batch=4)
+    assert plan is not None and len(runs) == len(attempts) == 1
+    assert plan.layers == search_plan(model, 1e12, max_batch=4).layers
+    plan, attempts = search_verified(model, model.fixed_bytes - 1, exact, max_batch=4)
+    assert plan is None and attempts == []
+    with pytest.raises(ValueError, match="tries"):
+        search_verified(model, 1e12, exact, max_batch=4, tries=0)

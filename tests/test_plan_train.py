@@ -25,6 +25,7 @@ def test_train_py_memory_budget_plans_and_trains_two_steps():
     assert "keep" not in line.group(1) or "," in line.group(1), line.group(0)  # not all kept: that would not fit
     assert float(line.group(2)) <= 0.007
     assert "blocks.0:" in out and "step 2/2" in out and "eval loss" in out
+    assert "running the pick" in out and "to check its peak" in out  # measured before training on it
 
 
 def test_plan_file_loaded_checked_against_the_model(tmp_path, capsys):

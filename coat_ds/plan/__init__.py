@@ -6,8 +6,9 @@ from .layers import decoder_layers, training_loss
 from .measure import ChoiceRun, MeasureConfig, Measurements, measure_choices, measure_plan
 from .plan import CHOICES, Plan, load_plan
 from .search import CostModel, best_assignment, search_plan
+from .verify import search_verified
 
 __all__ = ["CHOICES", "Plan", "load_plan", "apply_plan", "ApplyConfig", "AppliedPlan", "decoder_layers",
            "training_loss", "MeasureConfig", "ChoiceRun", "Measurements", "measure_choices", "measure_plan",
-           "CostModel", "best_assignment", "search_plan"]
+           "CostModel", "best_assignment", "search_plan", "search_verified"]
 

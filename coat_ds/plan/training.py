@@ -7,9 +7,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .layers import decoder_layers
-from .measure import MeasureConfig, measure_choices
+from .measure import MeasureConfig, measure_choices, measure_plan
 from .plan import Plan, load_plan
-from .search import CostModel, search_plan
+from .search import CostModel
+from .verify import search_verified
 
 __all__ = ["plan_for_run"]
 
@@ -31,8 +32,20 @@ def _searched(model: nn.Module, budget_gb: float, ds_settings, seq_len: int, say
     config = MeasureConfig(seq_len=seq_len, batches=(max(1, mb // 2), mb) if mb > 1 else (1, 2), timed_steps=2)
     say(f"planning for {budget_gb} GB per rank at micro-batch {mb}: measuring {', '.join(config.choices)} "
         f"at micro-batches {config.batches}")
-    m = measure_choices(model, _optimizer_factory(ds_settings), config=config, say=say)
-    plan = search_plan(CostModel.from_measurements(m), budget_gb * 1e9, micro_batches=(mb,))
+    factory = _optimizer_factory(ds_settings)
+    m = measure_choices(model, factory, config=config, say=say)
+
+    def measure(p: Plan) -> tuple[float, float]:
+        say(f"planning: running the pick ({p.summary()}) to check its peak")
+        run = measure_plan(model, p, factory, config=config)
+        return run.peak_bytes, run.step_s
+
+    plan, attempts = search_verified(CostModel.from_measurements(m), budget_gb * 1e9, measure,
+                                     micro_batches=(mb,), say=say)
+    if plan is None and attempts:
+        raise SystemExit(f"--memory-budget-gb {budget_gb}: no plan measured within it at micro-batch {mb} x "
+                         f"{seq_len} after {len(attempts)} searches (the last peaked at "
+                         f"{attempts[-1]['peak_bytes'] / 1e9:.3f} GB); raise the budget or lower the micro-batch")
     if plan is None:
         raise SystemExit(f"--memory-budget-gb {budget_gb}: no plan fits micro-batch {mb} x {seq_len} "
                          f"(fixed part alone {m.fixed_bytes / 1e9:.3f} GB, measured on one rank, unsharded); "

@@ -12,7 +12,7 @@ import torch
 
 from ..model import Llama
 from ..optim import CoatAdamW
-from ..plan import CostModel, MeasureConfig, Plan, measure_choices, measure_plan, search_plan
+from ..plan import CostModel, MeasureConfig, Plan, measure_choices, measure_plan, search_plan, search_verified
 from .engines import load_side
 from .report import write_json, write_markdown
 
@@ -74,25 +74,45 @@ def profile_plan(opts, mcfg, seq_len: int, device: torch.device, budget: float, 
         f"(every layer on one choice per run)")
     m = measure_choices(model, optimizer, config=config, say=say)
     costs = CostModel.from_measurements(m)
-    plan = search_plan(costs, budget, max_batch=opts.max_batch)
-    if plan is None:
+    if search_plan(costs, budget, max_batch=opts.max_batch) is None:
         raise SystemExit(f"--plan: nothing fits {budget / 1e9:.3f} GB: the fixed part alone is "
                          f"{m.fixed_bytes / 1e9:.3f} GB (parameters, gradients, optimizer state)")
-    say(plan.summary())
-    plan.save(os.path.join(opts.out, "plan.json"))
-    b = plan.micro_batch
-    rows = []
-    runs = [(name, Plan.uniform(m.layers, c, b, seq_len)) for c, name in _UNIFORM if c in m.choices]
-    for name, p in [*runs, ("plan", plan)]:
-        say(f"[plan] running {name} at micro-batch {b}")
+
+    def run(name: str, p: Plan) -> dict:
+        say(f"[plan] running {name} at micro-batch {p.micro_batch}")
         got = measure_plan(model, p, optimizer, config=config)
-        peak, step = costs.predict([c for _, c in p.layers], b)
-        rows.append({"name": name, "layers": dict(p.layers), "predicted_peak_bytes": peak, "peak_bytes": got.peak_bytes,
-                     "predicted_step_s": step, "step_s": got.step_s, "tokens_per_s": b * seq_len / got.step_s,
-                     "fits_budget": got.peak_bytes <= budget})
+        peak, step = costs.predict([c for _, c in p.layers], p.micro_batch)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        return {"name": name, "layers": dict(p.layers), "predicted_peak_bytes": peak, "peak_bytes": got.peak_bytes,
+                "predicted_step_s": step, "step_s": got.step_s, "tokens_per_s": p.micro_batch * seq_len / got.step_s,
+                "fits_budget": got.peak_bytes <= budget}
+
+    tried: list[dict] = []
+
+    def measure(p: Plan) -> tuple[float, float]:
+        tried.append(run(f"plan, search {len(tried) + 1}", p))
+        return tried[-1]["peak_bytes"], tried[-1]["step_s"]
+
+    # The pick is run; where it measures over the budget, the search runs again with the
+    # model's error for it as a margin (coat_ds/plan/verify.py).
+    plan, attempts = search_verified(costs, budget, measure, max_batch=opts.max_batch, say=say)
+    if plan is None:
+        plan = attempts[-1]["plan"]
+        say(f"[plan] WARNING: no plan measured within {budget / 1e9:.3f} GB after {len(attempts)} searches; "
+            f"writing the last one ({attempts[-1]['peak_bytes'] / 1e9:.3f} GB measured)")
+    for i, (row, a) in enumerate(zip(tried, attempts)):
+        row["search_budget_bytes"] = a["search_budget_bytes"]
+        if i == len(tried) - 1:
+            row["name"] = "plan"
+        elif not row["fits_budget"]:
+            row["name"] = f"plan, search {i + 1} (over budget, replaced)"
+    say(plan.summary())
+    plan.save(os.path.join(opts.out, "plan.json"))
+    b = plan.micro_batch
+    runs = [(name, Plan.uniform(m.layers, c, b, seq_len)) for c, name in _UNIFORM if c in m.choices]
+    rows = [run(name, p) for name, p in runs] + tried
     per_layer = [{"layer": fqn,
                   "held_bytes": {c: costs.at(costs.layer_bytes[i][j], b) for j, c in enumerate(costs.choices)},
                   "ms_vs_base": {c: 1e3 * costs.at(costs.layer_s[i][j], b) for j, c in enumerate(costs.choices)}}
