@@ -427,3 +427,44 @@ def test_shared_input_misses_on_change_and_clears_in_backward():
     xr = x.clone().requires_grad_()
     m(xr).sum().backward()
     assert shared_input.lookup(xr, ("e4m3", True, "torch")) is None
+
+
+@pytest.mark.parametrize("ckpt", [None, "non-reentrant", "reentrant"])
+def test_shared_input_on_hf_llama_gives_the_same_gradients(ckpt):
+    """On a Hugging Face Llama with compress_activations, with and without activation
+    checkpointing (whose recomputation quantizes again): sharing the siblings' input copy
+    gives gradients bit-equal to one copy per layer."""
+    from unittest import mock
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from coat_ds.linear import shared_input
+
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=352, num_attention_heads=4, num_key_value_heads=4,
+                      num_hidden_layers=2, vocab_size=1000, attn_implementation="sdpa", use_cache=False)
+
+    def grads(share: bool):
+        torch.manual_seed(0)
+        m = LlamaForCausalLM(cfg)
+        convert_to_fp8_linear(m, config=Fp8LinearConfig(fp8_gemm="on"))
+        coat_ds.compress_activations(m)
+        if ckpt:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": ckpt == "reentrant"})
+        m.train()
+        ids = torch.randint(0, cfg.vocab_size, (2, 64))
+        real, hits = shared_input.lookup, []
+
+        def lookup(x, recipe):
+            found = real(x, recipe) if share else None
+            hits.append(found is not None)
+            return found
+
+        with mock.patch.object(shared_input, "lookup", lookup), torch.autocast("cpu", dtype=torch.bfloat16):
+            m(input_ids=ids, labels=ids).loss.backward()
+        return [p.grad for p in m.parameters()], sum(hits)
+
+    (shared, hits), (separate, _) = grads(True), grads(False)
+    # q/k/v share one copy (2 hits) and gate/up one (1 hit) per layer, per forward run.
+    assert hits == 2 * 3 * (2 if ckpt else 1), hits
+    assert all(g is not None for g in shared)
+    assert all(torch.equal(a, b) for a, b in zip(shared, separate))
