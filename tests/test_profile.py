@@ -204,6 +204,29 @@ def test_both_sides_in_one_process_agree_with_isolated_runs(tmp_path, plain):
     assert (plain[1] / "baseline" / "side.json").is_file() and (plain[1] / "coat" / "side.json").is_file()
 
 
+def test_fp8_linear_coat_side(tmp_path, plain, capsys, caplog):
+    """`--fp8-linear`: the COAT side's linears are Fp8Linear. Their inputs are saved once as
+    per-tensor FP8, which is what compress_activations already stores for a linear's input,
+    so COAT's activations per sample do not grow and its largest micro-batch is no smaller;
+    the baseline is untouched; the log and the table say which side converted."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="coat_ds.linear"):
+        result = profile(parse_options([*ARGS, "--engine", "none", "--budget-gb", str(BUDGET_GB), "--out",
+                                        str(tmp_path), "--in-process", "--fp8-linear"]))
+    assert "FP8 linears)" in capsys.readouterr().out  # "[coat] building (none, ..., FP8 linears)"
+    converted = [r.getMessage() for r in caplog.records if "nn.Linear converted" in r.getMessage()]
+    assert converted and all(" 0 nn.Linear converted" not in m for m in converted), converted
+    assert result["sides"]["coat"]["fp8_linear"] is True and result["sides"]["baseline"]["fp8_linear"] is False
+    with_fp8, without = _rank0(result, "coat"), _rank0(plain[0], "coat")
+    assert with_fp8.activation_slope <= without.activation_slope, (with_fp8, without)
+    assert result["sides"]["coat"]["max_micro_batch"] >= plain[0]["sides"]["coat"]["max_micro_batch"]
+    assert _rank0(result, "baseline") == _rank0(plain[0], "baseline")
+    assert "| coat + FP8 linears | 0 |" in result["markdown"]
+    with pytest.raises(ValueError, match="--fp8-linear"):
+        ProfileOptions(model="small", plan=True, budget_gb=1.0, fp8_linear=True)
+
+
 def test_child_arguments_reproduce_the_options(tmp_path, capsys):
     from dataclasses import replace
 
@@ -211,7 +234,7 @@ def test_child_arguments_reproduce_the_options(tmp_path, capsys):
 
     opts = parse_options([*ARGS, "--engine", "deepspeed", "--budget-gb", "0.25", "--measure-batches", "2", "5",
                           "--max-batch", "64", "--throughput-steps", "0", "--seed", "3", "--nproc", "2",
-                          "--out", str(tmp_path)])
+                          "--fp8-linear", "--out", str(tmp_path)])
     child = parse_options(child_argv(opts, "coat", str(tmp_path / "coat")))
     assert child == replace(opts, side="coat", out=str(tmp_path / "coat"), nproc=1)
     with pytest.raises(SystemExit):  # a usage error, exit status 2, naming the option

@@ -16,6 +16,7 @@ from ..config import ActivationConfig
 from ..ds_json import load_ds_config
 from ..engines import optimizer_settings
 from ..integrations.deepspeed import local_partitions
+from ..linear import convert_to_fp8_linear
 from ..model import Llama, ModelConfig
 from ..optim import CoatAdamW
 
@@ -30,6 +31,7 @@ class Side:
     config_path: str  # the DeepSpeed JSON it came from
     coat_kwargs: dict | None  # CoatAdamW keyword arguments, or None for torch AdamW
     adamw_kwargs: dict  # torch AdamW keyword arguments (used when coat_kwargs is None)
+    fp8_linear: bool = False  # COAT side only: the model's linears converted to Fp8Linear
 
     @property
     def is_coat(self) -> bool:
@@ -37,10 +39,10 @@ class Side:
         return self.coat_kwargs is not None
 
 
-def load_side(name: str, path: str) -> Side:
+def load_side(name: str, path: str, fp8_linear: bool = False) -> Side:
     kind, params = optimizer_settings(load_ds_config(path), path)
     if kind == "CoatAdamW":
-        return Side(name, path, params, {})
+        return Side(name, path, params, {}, fp8_linear)
     # The baseline picks its AdamW implementation by device (fused on CUDA).
     return Side(name, path, None, {k: v for k, v in params.items() if k != "fused"})
 
@@ -81,7 +83,10 @@ class Trainee:
     def __init__(self, side: Side, model: nn.Module, device: torch.device):
         self.side, self.device = side, device
         self.model = model
-        # Hooks first, engine second: the hooks sit on the modules, so every engine keeps them.
+        # Linears converted first, then the hooks (they must see the FP8 codes the layers
+        # save), then the engine: both sit on the modules, so every engine keeps them.
+        if side.is_coat and side.fp8_linear:
+            convert_to_fp8_linear(model)
         self.activations = compress_activations(model, config=ActivationConfig()) if side.is_coat else None
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ class ProfileOptions:
     choices: tuple[str, ...] = ("keep", "fp8", "recompute")  # --plan: the choices measured and searched
     vocab_size: int | None = None  # --plan: tokens in the vocabulary; None: 32000 (Llama's)
     compile: bool = False  # --plan: torch.compile each decoder block before measuring
+    fp8_linear: bool = False  # COAT side: FP8 linears (convert_to_fp8_linear) before the activation hooks
 
     def __post_init__(self):
         if self.engine not in ENGINES:
@@ -73,6 +74,9 @@ class ProfileOptions:
             raise ValueError("--plan runs in one process: give --engine none (the default) and no --nproc")
         if not self.plan and (self.compile or self.vocab_size is not None):
             raise ValueError("--compile and --vocab-size are for --plan runs")
+        if self.plan and self.fp8_linear:
+            raise ValueError("--fp8-linear is for the two-side comparison; with --plan, give the choice "
+                             "fp8_linear in --choices")
 
 
 def parse_options(argv: list[str] | None = None) -> ProfileOptions:
@@ -106,6 +110,8 @@ def parse_options(argv: list[str] | None = None) -> ProfileOptions:
                    help="--plan: choices measured and searched (keep fp8 fp8_linear recompute)")
     p.add_argument("--vocab-size", type=int, default=None, help="--plan: vocabulary size (default 32000)")
     p.add_argument("--compile", action="store_true", help="--plan: torch.compile each decoder block")
+    p.add_argument("--fp8-linear", action="store_true",
+                   help="COAT side: FP8 linear layers (convert_to_fp8_linear) as well as FP8 activations")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     a = p.parse_args(argv)
     if a.budget_gb is None and not torch.cuda.is_available():
@@ -117,7 +123,7 @@ def parse_options(argv: list[str] | None = None) -> ProfileOptions:
                               measure_batches=tuple(a.measure_batches), max_batch=a.max_batch,
                               throughput_steps=a.throughput_steps, seed=a.seed, side=a.side,
                               isolate=not a.in_process, nproc=a.nproc, plan=a.plan, choices=tuple(a.choices),
-                              vocab_size=a.vocab_size, compile=a.compile)
+                              vocab_size=a.vocab_size, compile=a.compile, fp8_linear=a.fp8_linear)
     except ValueError as e:  # a bad value is a usage error: argparse's message and exit status 2
         p.error(str(e))
 
@@ -131,4 +137,6 @@ def child_argv(opts: ProfileOptions, side: str, out: str) -> list[str]:
         argv += ["--budget-gb", repr(opts.budget_gb)]
     if opts.seq_len is not None:
         argv += ["--seq-len", str(opts.seq_len)]
+    if opts.fp8_linear:
+        argv.append("--fp8-linear")
     return argv

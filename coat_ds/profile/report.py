@@ -33,13 +33,14 @@ def markdown_table(result: dict) -> str:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for name in ("baseline", "coat"):
         side = result["sides"][name]
+        label = f"{name} + FP8 linears" if side.get("fp8_linear") else name
         for r in side["ranks"]:
             p = r["points"][-1]
             tps = side.get("tokens_per_s")
             # A side whose larger measured batch did not fit reports its smaller one.
             at = "" if p["batch"] == b2 else f" (b={p['batch']})"
             lines.append(
-                f"| {name} | {r['rank']} | {_gb(r['weights_bytes'])} | {_gb(r['gradients_bytes'])} "
+                f"| {label} | {r['rank']} | {_gb(r['weights_bytes'])} | {_gb(r['gradients_bytes'])} "
                 f"| {_gb(r['optimizer_state_bytes'])} | {_gb(r['activation_bytes_per_sample'])} "
                 f"| {_gb(p['hooks_bytes'])} / {_gb(p['after_forward_bytes'])} / {_gb(p['forward_peak_bytes'])}{at} "
                 f"| {_gb(r['engine_buffer_bytes'])} "
