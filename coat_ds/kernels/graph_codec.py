@@ -30,13 +30,12 @@ import torch
 import torch.nn.functional as F
 
 from .fp8 import Fp8Format
-from .reference import pow2
+from .reference import exponent_from_bits, pow2
 
 __all__ = ["graph_quantize", "graph_dequantize", "graph_scale_exponent"]
 
 _ABS_MASK = 0x7FFFFFFF
 _INF_BITS = 0x7F800000
-_MANTISSA = 0x7FFFFF
 _MANTISSA_0625 = 0x500000  # 1.625 = 1 + 0x500000 / 2**23
 
 
@@ -44,9 +43,7 @@ def graph_scale_exponent(amax_bits: torch.Tensor, fmt: Fp8Format) -> torch.Tenso
     """Smallest e with amax * 2**-e < 1.625 * 2**E (int32, clamped to [-126, 126]), from the
     int32 bits of a finite non-negative float32 amax: reference.scale_exponent's reading of
     the bits, with the mantissa threshold at 1.625 rather than above 1.75."""
-    emax = int(fmt.log2_max)  # both maxima are 1.75 * 2**E
-    e = ((amax_bits >> 23) & 0xFF) - (127 + emax) + ((amax_bits & _MANTISSA) >= _MANTISSA_0625).to(torch.int32)
-    return e.clamp(-126, 126)
+    return exponent_from_bits(amax_bits, fmt, _MANTISSA_0625).clamp(-126, 126)
 
 
 def _flat_groups(x: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ __all__ = [
     "decode_fp8",
     "cast_fp8",
     "scale_exponent",
+    "exponent_from_bits",
     "pow2",
     "quantize_groups",
     "dequantize_groups",
@@ -48,13 +49,18 @@ def cast_fp8(x: torch.Tensor, fmt="e4m3") -> tuple[torch.Tensor, torch.Tensor]:
     return codes, decode_fp8(codes, f)
 
 
+def exponent_from_bits(bits: torch.Tensor, fmt: Fp8Format, mantissa_cut: int) -> torch.Tensor:
+    """(int32) The exponent of the float32 whose bits are `bits`, less the format's E (both
+    formats' max is 1.75 * 2**E), plus one where its mantissa field is >= `mantissa_cut`:
+    the smallest power-of-two scale putting the value below 1 + mantissa_cut / 2**23 times
+    2**E. The scales of every codec here are this with their own cut."""
+    return ((bits >> 23) & 0xFF) - (127 + int(fmt.log2_max)) + ((bits & 0x7FFFFF) >= mantissa_cut).to(torch.int32)
+
+
 def scale_exponent(ymax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
-    """Exact ceil(log2(ymax / fmt.max)) (int32) for positive normal float32 `ymax`: both
-    formats' max is 1.75 * 2**E, so it is ymax's exponent - E, plus one when its mantissa
-    exceeds 1.75."""
-    bits = ymax.view(torch.int32)
-    e = int(fmt.log2_max)
-    return ((bits >> 23) & 0xFF) - (127 + e) + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
+    """Exact ceil(log2(ymax / fmt.max)) (int32) for positive normal float32 `ymax`: ymax's
+    exponent - E, plus one when its mantissa exceeds 1.75."""
+    return exponent_from_bits(ymax.view(torch.int32), fmt, 0x600001)
 
 
 def pow2(e: torch.Tensor) -> torch.Tensor:
@@ -233,10 +239,7 @@ ACT_POS_INF, ACT_NEG_INF, ACT_NAN = 0x7F, 0xFF, 0x80
 def act_scale_exponent(amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     """Smallest e with amax * 2**-e <= fmt.max, clamped to [-126, 126] (int32), read from
     amax's bits: both formats' maxima are 1.75 * 2**E."""
-    emax = 8 if fmt.name == "e4m3" else 15
-    bits = amax.to(torch.float32).contiguous().view(torch.int32)
-    e = ((bits >> 23) & 0xFF) - 127 - emax + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
-    return e.clamp_(-126, 126)
+    return scale_exponent(amax.to(torch.float32).contiguous(), fmt).clamp_(-126, 126)
 
 
 def _finite_abs(xf: torch.Tensor) -> torch.Tensor:
