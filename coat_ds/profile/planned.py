@@ -12,7 +12,7 @@ import torch
 
 from ..model import Llama
 from ..optim import CoatAdamW
-from ..plan import CostModel, MeasureConfig, Plan, measure_choices, measure_plan, search_plan, search_verified
+from ..plan import CostModel, MeasureConfig, Plan, measure_choices, measure_plan, search_verified
 from .engines import load_side
 from .report import write_json, write_markdown
 
@@ -74,9 +74,6 @@ def profile_plan(opts, mcfg, seq_len: int, device: torch.device, budget: float, 
         f"(every layer on one choice per run)")
     m = measure_choices(model, optimizer, config=config, say=say)
     costs = CostModel.from_measurements(m)
-    if search_plan(costs, budget, max_batch=opts.max_batch) is None:
-        raise SystemExit(f"--plan: nothing fits {budget / 1e9:.3f} GB: the fixed part alone is "
-                         f"{m.fixed_bytes / 1e9:.3f} GB (parameters, gradients, optimizer state)")
 
     def run(name: str, p: Plan) -> dict:
         say(f"[plan] running {name} at micro-batch {p.micro_batch}")
@@ -98,6 +95,9 @@ def profile_plan(opts, mcfg, seq_len: int, device: torch.device, budget: float, 
     # The pick is run; where it measures over the budget, the search runs again with the
     # model's error for it as a margin (coat_ds/plan/verify.py).
     plan, attempts = search_verified(costs, budget, measure, max_batch=opts.max_batch, say=say)
+    if not attempts:  # the search found nothing to run
+        raise SystemExit(f"--plan: nothing fits {budget / 1e9:.3f} GB: the fixed part alone is "
+                         f"{m.fixed_bytes / 1e9:.3f} GB (parameters, gradients, optimizer state)")
     if plan is None:
         plan = attempts[-1]["plan"]
         say(f"[plan] WARNING: no plan measured within {budget / 1e9:.3f} GB after {len(attempts)} searches; "
