@@ -73,7 +73,8 @@ def _optimizer(side: str):
 
 
 def run_side(shape: str, side: str, bs: int, seq: int, steps: int, compile_layers: bool,
-             plan_file: str | None = None, choices: tuple[str, ...] = ("keep", "fp8", "recompute")) -> dict:
+             plan_file: str | None = None, choices: tuple[str, ...] = ("keep", "fp8", "recompute"),
+             compile_budgets: tuple[float, ...] = ()) -> dict:
     """One side in this process: its result as a dict (the parent reads it as JSON)."""
     from coat_ds.plan import MeasureConfig, Plan, decoder_layers, load_plan, measure_choices, measure_plan
 
@@ -87,7 +88,7 @@ def run_side(shape: str, side: str, bs: int, seq: int, steps: int, compile_layer
     if side == "measure":
         # Two micro-batches make each cost a line (fixed + per sample), so that the search
         # can also weigh smaller micro-batches; one would make every cost proportional.
-        config = dataclasses.replace(config, batches=_measured_batches(bs))
+        config = dataclasses.replace(config, batches=_measured_batches(bs), compile_budgets=compile_budgets)
         m = measure_choices(model, _optimizer(side), config=config, say=lambda s: print(s, flush=True))
         return {"shape": shape, "side": side, "bs": bs, "seq": seq, "measurements": m.to_dict(),
                 "wall_s": time.perf_counter() - t0}
@@ -109,9 +110,12 @@ def _measured_batches(bs: int) -> tuple[int, int]:
 def _run(args, shape: str, side: str, plan_file: str | None = None) -> dict:
     """`side` in a process of its own (or here with --in-process); failures become a row."""
     if args.in_process:
-        return run_side(shape, side, args.bs, args.seq, args.steps, not args.no_compile, plan_file, tuple(args.choices))
+        return run_side(shape, side, args.bs, args.seq, args.steps, not args.no_compile, plan_file, tuple(args.choices),
+                        tuple(args.compile_budgets))
     cmd = [sys.executable, __file__, "--shape", shape, "--side", side, "--bs", str(args.bs), "--seq", str(args.seq),
            "--steps", str(args.steps), "--choices", *args.choices] + (["--no-compile"] if args.no_compile else [])
+    if args.compile_budgets:
+        cmd += ["--compile-budgets", *map(str, args.compile_budgets)]
     if plan_file:
         cmd += ["--plan-file", plan_file]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -139,10 +143,10 @@ def bench_shape(args, shape: str, workdir: str) -> list[dict]:
     if "error" in measured or "error" in base:
         rows.append({**measured, "error": measured.get("error", "no BF16 peak to take budgets from")})
         return rows
-    costs = CostModel.from_measurements(Measurements.from_dict(measured["measurements"]), _measured_batches(args.bs))
+    costs = CostModel.per_compile_budget(Measurements.from_dict(measured["measurements"]), _measured_batches(args.bs))
     for r in rows:
         if r["side"] == "coat" and "ms" in r:  # same optimizer as the measurement run: comparable
-            peak, step = costs.predict(list(r["plan"]["layers"].values()), args.bs)
+            peak, step = costs[0].predict(list(r["plan"]["layers"].values()), args.bs)
             r["predicted_peak_gb"], r["predicted_ms"] = peak / 1e9, step * 1e3
     done: dict[tuple, dict] = {}
     ckpt = next((r for r in rows if r["side"] == "bf16_ckpt" and "peak_gb" in r), None)
@@ -158,7 +162,7 @@ def bench_shape(args, shape: str, workdir: str) -> list[dict]:
         budget = frac * base["peak_gb"] * 1e9
 
         def measure(p):
-            key = (p.layers, p.micro_batch)
+            key = (p.layers, p.micro_batch, p.compile_memory_budget)
             if key not in done:
                 path = os.path.join(workdir, f"{shape}_plan{int(frac * 100)}_{len(done)}.json")
                 p.save(path)
@@ -175,9 +179,10 @@ def bench_shape(args, shape: str, workdir: str) -> list[dict]:
             continue
         if plan is None:
             plan = attempts[-1]["plan"]
-        row = {**done[(plan.layers, plan.micro_batch)], "side": label, "budget_gb": budget / 1e9,
+        row = {**done[(plan.layers, plan.micro_batch, plan.compile_memory_budget)], "side": label, "budget_gb": budget / 1e9,
                "predicted_peak_gb": plan.predicted_peak_bytes / 1e9, "predicted_ms": plan.predicted_step_s * 1e3,
-               "counts": plan.counts(), "searches": len(attempts),
+               "counts": plan.counts(), "compile_memory_budget": plan.compile_memory_budget,
+               "searches": len(attempts),
                "replaced": [{"counts": a["plan"].counts(), "micro_batch": a["plan"].micro_batch,
                              "peak_gb": a["peak_bytes"] / 1e9} for a in attempts[:-1]]}
         rows.append(row)
@@ -223,6 +228,8 @@ def _table(rows: list[dict]) -> list[str]:
         pm_s = f"{pm:.1f} ({100 * (pm / r['ms'] - 1):+.1f}%)" if pm else "-"
         counts = r.get("counts") or {}
         mix = ", ".join(f"{n} {c}" for c, n in counts.items() if n) or "-"
+        if r.get("compile_memory_budget") is not None:
+            mix += f"; compile budget {r['compile_memory_budget']:g}"
         budget = f"{r['budget_gb']:.4g}" if "budget_gb" in r else "-"
         lines.append(f"| {r['shape']} | {r['side']} | {r['bs']} | {r['ms']:.1f} | {tps:,.0f} | {r['peak_gb']:.4g} | "
                      f"{pp_s} | {pm_s} | {budget} | {mix} |")
@@ -242,6 +249,8 @@ def main():
                     help="fractions of BF16's peak, or 'ckpt': full checkpointing's measured peak")
     ap.add_argument("--choices", nargs="+", default=None,
                     help="default: keep fp8 fp8_linear recompute (--tiny: without fp8_linear)")
+    ap.add_argument("--compile-budgets", type=float, nargs="+", default=[],
+                    help="torch.compile activation-memory budgets the planner measures beside torch's own")
     ap.add_argument("--no-compile", action="store_true", help="eager layers")
     ap.add_argument("--in-process", action="store_true", help="every side in this process (CPU tests)")
     ap.add_argument("--log-dir", default=None, help="write each side's full output here")
@@ -263,7 +272,7 @@ def main():
         torch.set_num_threads(1)  # tiny ops: threads only contend
     if args.side:
         res = run_side(args.shape[0], args.side, args.bs, args.seq, args.steps, not args.no_compile, args.plan_file,
-                       tuple(args.choices))
+                       tuple(args.choices), tuple(args.compile_budgets))
         print("RESULT " + json.dumps(res), flush=True)
         return
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"

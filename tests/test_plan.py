@@ -37,6 +37,8 @@ def test_plan_json_round_trip(tmp_path):
     ({"layers": ["keep"]}, ["layers"]),
     ({"microbatch": 4}, ["unknown key", "microbatch"]),
     ({"version": 2}, ["version"]),
+    ({"compile_memory_budget": 1.5}, ["compile_memory_budget", "1.5", "[0, 1]"]),
+    ({"compile_memory_budget": "low"}, ["compile_memory_budget", "'low'"]),
 ])
 def test_plan_validation_names_the_bad_key(tmp_path, change, words):
     d = {**_plan().to_dict(), **change}
@@ -46,6 +48,17 @@ def test_plan_validation_names_the_bad_key(tmp_path, change, words):
         load_plan(str(path))
     for w in [str(path), *words]:
         assert w in str(e.value)
+
+
+def test_plan_with_a_compile_budget_round_trips_and_says_so(tmp_path):
+    plan = Plan(_plan().layers, 8, 2048, compile_memory_budget=0.25)
+    plan.save(str(tmp_path / "p.json"))
+    assert load_plan(str(tmp_path / "p.json")) == plan
+    assert "torch.compile activation-memory budget 0.25" in plan.summary()
+    # A plan file from before the field: torch's own partition.
+    d = _plan().to_dict()
+    del d["compile_memory_budget"]
+    assert Plan.from_dict(d).compile_memory_budget is None
 
 
 def test_plan_file_errors(tmp_path):
@@ -119,6 +132,8 @@ def test_search_prefers_fast_choice_when_it_fits_and_none_below_fixed():
     ({"batches": (2, 2)}, "batches"), ({"batches": (0,)}, "batches"), ({"batches": (1, 2, 4)}, "batches"),
     ({"choices": ("keep", "bf16")}, "choices"), ({"choices": ()}, "choices"), ({"timed_steps": 0}, "timed_steps"),
     ({"warmup_steps": -1}, "warmup_steps"), ({"seq_len": 0}, "seq_len"), ({"autocast": "yes"}, "autocast"),
+    ({"compile_budgets": (1.2,)}, "compile_budgets"), ({"compile_budgets": (0.5, 0.5)}, "compile_budgets"),
+    ({"compile_budgets": 0.5}, "compile_budgets"),
 ])
 def test_measure_config_errors_name_the_field(kwargs, key):
     with pytest.raises(ValueError, match=f"MeasureConfig.{key}"):
@@ -135,6 +150,28 @@ def test_search_arguments_and_measurements_round_trip():
         search_plan(model, 1e9, micro_batches=(0,))
     only = search_plan(model, 1e9, micro_batches=(2,), choices=("fp8",))
     assert only.micro_batch == 2 and only.counts()["fp8"] == 3
+
+
+def test_search_across_compile_budgets_takes_the_fastest_that_fits():
+    # Under the budget 0.3, every choice holds 40% of its bytes and costs 10% more time.
+    m = _synthetic(2, 4, ("keep", "recompute"))
+    low = [ChoiceRun(r.choice, r.batch, tuple(int(0.4 * x) for x in r.layer_bytes),
+                     r.peak_bytes - int(0.6 * sum(r.layer_bytes)), 1.1 * r.step_s, compile_budget=0.3) for r in m.runs]
+    m = Measurements(*[getattr(m, f) for f in ("layers", "seq_len", "device", "meter", "params_bytes", "grads_bytes",
+                                             "optimizer_state_bytes")], m.runs + tuple(low), m.layer_grad_bytes)
+    assert m.compile_budgets == (None, 0.3) and Measurements.from_dict(json.loads(json.dumps(m.to_dict()))) == m
+    default, budgeted = CostModel.per_compile_budget(m)
+    assert (default.compile_memory_budget, budgeted.compile_memory_budget) == (None, 0.3)
+    keep_all = default.predict(["keep"] * 4, 2)[0]
+    assert budgeted.predict(["keep"] * 4, 2)[0] < keep_all
+    # Room for everything: torch's own partition, faster.
+    roomy = search_plan((default, budgeted), 1e12, micro_batches=(2,), choices=("keep",))
+    assert roomy.compile_memory_budget is None
+    # Keep-only plans fit at micro-batch 2 only under the budget.
+    tight = budgeted.predict(["keep"] * 4, 2)[0]
+    plan = search_plan((default, budgeted), tight, micro_batches=(2,), choices=("keep",))
+    assert plan.compile_memory_budget == 0.3 and plan.predicted_peak_bytes == pytest.approx(tight)
+    assert search_plan(default, tight, micro_batches=(2,), choices=("keep",)) is None
 
 
 def test_search_verified_replans_when_the_measured_peak_is_over():

@@ -182,3 +182,60 @@ def test_apply_plan_under_compiled_layers():
     assert applied.activations is None and torch.equal(loss, eager_loss)
     flat, ref = torch.cat([g.flatten() for g in grads]), torch.cat([g.flatten() for g in eager])
     assert sqnr_db(ref, flat) > 60
+
+
+def test_compile_budget_measured_searched_and_applied_on_compiled_hf_llama():
+    # torch's min-cut partitioner (the backend that runs it without a C++ compile) under a
+    # budget of 0 saves only what recomputation cannot rebuild. What the compiled graphs
+    # save is counted by a saved-tensor hook in the loss function, at the first step of each
+    # run (where each run compiles): on a CPU the meter's dispatch mode makes the measured
+    # step itself run eagerly.
+    import torch._functorch.config as functorch_config
+    from torch.autograd.graph import saved_tensors_hooks
+
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                                   num_key_value_heads=4, num_hidden_layers=2, vocab_size=512,
+                                   max_position_embeddings=128, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    saved = []
+
+    def loss_fn(m, ids):
+        sizes = []
+        with saved_tensors_hooks(lambda t: sizes.append(t.numel() * t.element_size()) or t, lambda t: t):
+            loss = training_loss(m, ids)
+        saved.append(sum(sizes))
+        return loss
+
+    torch._dynamo.reset()
+    try:
+        for layer in model.model.layers:
+            layer.compile(backend="aot_eager_decomp_partition")
+        before = functorch_config.activation_memory_budget
+        mc = MeasureConfig(seq_len=64, batches=(2, 4), timed_steps=1, choices=("keep", "recompute"),
+                           compile_budgets=(0.0,))
+        m = measure_choices(model, _adamw, config=mc, loss_fn=loss_fn)
+        assert functorch_config.activation_memory_budget == before and m.compile_budgets == (None, 0.0)
+        # Calls per run: warm-up, measured, timed; runs: budget x choice x micro-batch.
+        first = {(budget, choice): saved[3 * (4 * k + 2 * j)] for k, budget in enumerate((None, 0.0))
+                 for j, choice in enumerate(("keep", "recompute"))}
+        assert first[(0.0, "keep")] < 0.7 * first[(None, "keep")], first
+
+        costs = CostModel.per_compile_budget(m)
+        assert [c.compile_memory_budget for c in costs] == [None, 0.0]
+        plan = search_plan(costs[1], 1e12, micro_batches=(2,), choices=("keep",))
+        assert plan.compile_memory_budget == 0.0
+        saved.clear()
+        got = measure_plan(model, plan, _adamw, config=mc, loss_fn=loss_fn)
+        assert got.compile_budget == 0.0 and functorch_config.activation_memory_budget == before
+        assert saved[0] == first[(0.0, "keep")]  # compiled under the plan's budget, as measured
+
+        applied = apply_plan(model, plan)
+        assert functorch_config.activation_memory_budget == 0.0
+        applied.remove()
+        assert functorch_config.activation_memory_budget == before
+    finally:
+        for layer in model.model.layers:
+            layer._compiled_call_impl = None
+        torch._dynamo.reset()

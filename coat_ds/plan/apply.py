@@ -5,6 +5,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch._functorch.config as functorch_config
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -54,6 +55,7 @@ class AppliedPlan:
         self.activations = activations  # compress_activations' handle, or None
         self._recomputed = recomputed
         self._converted = converted
+        self._budget_before = None  # torch's activation-memory budget before the plan set its own
 
     def remove(self) -> None:
         """Every layer back as it was (compression hooks off, linears plain, no checkpointing)."""
@@ -67,6 +69,9 @@ class AppliedPlan:
             m.__class__ = cls
             del m.fp8_config
         self._recomputed, self._converted = [], []
+        if self._budget_before is not None:
+            functorch_config.activation_memory_budget = self._budget_before
+            self._budget_before = None
 
 
 def _check_layers(model: nn.Module, plan: Plan) -> dict[str, nn.Module]:
@@ -88,7 +93,12 @@ def apply_plan(model: nn.Module, plan: Plan, *, config: ApplyConfig | None = Non
     """Give each decoder layer of `model` the plan's choice, in place; returns a handle whose
     `remove()` undoes it. Apply before `torch.compile` of the layers and before the engine
     wraps the model (FSDP2 `fully_shard`, DeepSpeed), as `compress_activations` and
-    `convert_to_fp8_linear` are. The micro-batch is the caller's to use (`plan.micro_batch`)."""
+    `convert_to_fp8_linear` are. The micro-batch is the caller's to use (`plan.micro_batch`).
+
+    A plan with `compile_memory_budget` sets torch.compile's activation-memory budget
+    (`torch._functorch.config.activation_memory_budget`) until `remove()`. torch reads it
+    when a graph is compiled, for every graph compiled meanwhile, and does not recompile
+    graphs compiled before: compile after applying."""
     config = config if config is not None else ApplyConfig()
     if not isinstance(config, ApplyConfig):
         raise TypeError(f"config must be an ApplyConfig, got {type(config).__name__}")
@@ -97,6 +107,9 @@ def apply_plan(model: nn.Module, plan: Plan, *, config: ApplyConfig | None = Non
     layers = _check_layers(model, plan)
     done = AppliedPlan(plan, None, [], [])
     try:
+        if plan.compile_memory_budget is not None:
+            done._budget_before = functorch_config.activation_memory_budget
+            functorch_config.activation_memory_budget = plan.compile_memory_budget
         for fqn, choice in plan.layers:
             layer = layers[fqn]
             if choice == "recompute":

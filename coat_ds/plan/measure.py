@@ -26,9 +26,16 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .apply import ApplyConfig, apply_plan
 from .layers import decoder_layers, training_loss, vocab_size_of
-from .plan import CHOICES, Plan
+from .plan import CHOICES, Plan, compile_budget
 
 __all__ = ["MeasureConfig", "ChoiceRun", "Measurements", "measure_choices", "measure_plan"]
+
+
+def _is_compile_budget(value) -> bool:
+    try:
+        return compile_budget("compile_budgets", value) is not None
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,7 @@ class MeasureConfig:
     warmup_steps: int = 1  # untimed steps before each measurement (compilation, allocator, optimizer state)
     autocast: bool | None = None  # BF16 autocast around forward; None: on CUDA only
     seed: int = 0  # token ids of the measured steps
+    compile_budgets: tuple[float, ...] = ()  # torch.compile activation-memory budgets measured beside torch's own
 
     def __post_init__(self):
         if not isinstance(self.seq_len, int) or self.seq_len < 1:
@@ -62,6 +70,14 @@ class MeasureConfig:
             raise ValueError(f"MeasureConfig.warmup_steps: got {self.warmup_steps!r}; allowed: an integer >= 0")
         if self.autocast not in (None, True, False):
             raise ValueError(f"MeasureConfig.autocast: got {self.autocast!r}; allowed: true, false or null")
+        try:
+            budgets = tuple(self.compile_budgets)
+        except TypeError:
+            budgets = None
+        if budgets is None or not all(_is_compile_budget(b) for b in budgets) or len(set(budgets)) != len(budgets):
+            raise ValueError(f"MeasureConfig.compile_budgets: got {self.compile_budgets!r}; allowed: distinct "
+                             "numbers in [0, 1]")
+        object.__setattr__(self, "compile_budgets", tuple(float(b) for b in budgets))
 
 
 @dataclass(frozen=True)
@@ -73,6 +89,7 @@ class ChoiceRun:
     layer_bytes: tuple[int, ...]  # per layer, model order: bytes its forward left allocated, its input released
     peak_bytes: int  # the step's peak, resident bytes included
     step_s: float  # median time of one training step (forward, backward, optimizer step)
+    compile_budget: float | None = None  # torch.compile's activation-memory budget it ran under; None: torch's own
 
 
 @dataclass(frozen=True)
@@ -97,11 +114,17 @@ class Measurements:
     def choices(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(r.choice for r in self.runs))
 
-    def run(self, choice: str, batch: int) -> ChoiceRun:
+    @property
+    def compile_budgets(self) -> tuple[float | None, ...]:
+        """torch.compile activation-memory budgets measured (None: torch's own), in order."""
+        return tuple(dict.fromkeys(r.compile_budget for r in self.runs))
+
+    def run(self, choice: str, batch: int, compile_budget: float | None = None) -> ChoiceRun:
         for r in self.runs:
-            if r.choice == choice and r.batch == batch:
+            if r.choice == choice and r.batch == batch and r.compile_budget == compile_budget:
                 return r
-        raise KeyError(f"no measurement of {choice!r} at micro-batch {batch}")
+        at = "" if compile_budget is None else f" under compile budget {compile_budget:g}"
+        raise KeyError(f"no measurement of {choice!r} at micro-batch {batch}{at}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -282,30 +305,59 @@ class _Session:
         gc.collect()
 
 
+@contextlib.contextmanager
+def _compile_budget(budget: float | None, *, reset: bool):
+    """torch's activation-memory budget set to `budget` (None: left as it is), with
+    torch.compile's caches reset on entry and exit where `reset`."""
+    import torch._functorch.config as functorch_config
+
+    before = functorch_config.activation_memory_budget
+    if reset:
+        torch._dynamo.reset()
+    if budget is not None:
+        functorch_config.activation_memory_budget = budget
+    try:
+        yield
+    finally:
+        functorch_config.activation_memory_budget = before
+        if reset:
+            torch._dynamo.reset()
+
+
 def measure_choices(model: nn.Module, optimizer_factory: Callable, *, config: MeasureConfig | None = None,
                     apply_config: ApplyConfig | None = None, loss_fn: Callable | None = None,
                     vocab_size: int | None = None, say: Callable[[str], None] = lambda s: None) -> Measurements:
-    """Measure `model` with every decoder layer on each of `config.choices` in turn.
+    """Measure `model` with every decoder layer on each of `config.choices` in turn, and
+    again under each of `config.compile_budgets`.
 
     `optimizer_factory(params)` builds the optimizer the plan will train with (its state is
     part of the fixed bytes); it is dropped afterwards and the parameters are put back as
     they were. `loss_fn(model, ids)` gives the loss of token ids (batch, seq_len + 1);
-    default: `training_loss`. The model's own compilation or wrapping stays as it is."""
+    default: `training_loss`. The model's own compilation or wrapping stays as it is.
+
+    torch reads its activation-memory budget when it compiles a graph and does not guard on
+    it, so with `compile_budgets` torch.compile's caches are reset (`torch._dynamo.reset()`)
+    before each budget and after the last: every compiled function recompiles on its next
+    call, under the budget it runs with."""
     config = config if config is not None else MeasureConfig()
     s = _Session(model, optimizer_factory, config, loss_fn, vocab_size)
     runs = []
     try:
-        for choice in config.choices:
-            applied = apply_plan(model, Plan.uniform(s.fqns, choice, config.batches[-1], config.seq_len),
-                                 config=apply_config)
-            try:
-                for b in config.batches:
-                    runs.append(s.run(choice, b))
-                    r = runs[-1]
-                    say(f"[plan] {choice} at micro-batch {b}: layers hold {sum(r.layer_bytes) / 1e9:.4f} GB, "
-                        f"peak {r.peak_bytes / 1e9:.4f} GB, step {r.step_s * 1e3:.1f} ms")
-            finally:
-                applied.remove()
+        for budget in (None, *config.compile_budgets):
+            at = "" if budget is None else f" (compile budget {budget:g})"
+            with _compile_budget(budget, reset=bool(config.compile_budgets)):
+                for choice in config.choices:
+                    plan = Plan.uniform(s.fqns, choice, config.batches[-1], config.seq_len)
+                    applied = apply_plan(model, plan, config=apply_config)
+                    try:
+                        for b in config.batches:
+                            r = dataclasses.replace(s.run(choice, b), compile_budget=budget)
+                            runs.append(r)
+                            say(f"[plan] {choice} at micro-batch {b}{at}: layers hold "
+                                f"{sum(r.layer_bytes) / 1e9:.4f} GB, peak {r.peak_bytes / 1e9:.4f} GB, "
+                                f"step {r.step_s * 1e3:.1f} ms")
+                    finally:
+                        applied.remove()
         state_bytes = s.state_bytes()
     finally:
         s.close()
@@ -324,10 +376,13 @@ def measure_plan(model: nn.Module, plan: Plan, optimizer_factory: Callable, *, c
     config = dataclasses.replace(config or MeasureConfig(), seq_len=plan.seq_len)
     s = _Session(model, optimizer_factory, config, loss_fn, vocab_size)
     try:
-        applied = apply_plan(model, plan, config=apply_config)
-        try:
-            return s.run("plan", plan.micro_batch)
-        finally:
-            applied.remove()
+        # apply_plan sets the plan's budget; the reset makes graphs compile under it.
+        with _compile_budget(None, reset=plan.compile_memory_budget is not None):
+            applied = apply_plan(model, plan, config=apply_config)
+            try:
+                return dataclasses.replace(s.run("plan", plan.micro_batch),
+                                           compile_budget=plan.compile_memory_budget)
+            finally:
+                applied.remove()
     finally:
         s.close()

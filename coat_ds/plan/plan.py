@@ -15,7 +15,8 @@ __all__ = ["CHOICES", "Plan", "load_plan", "PLAN_VERSION"]
 # activation checkpointing of the layer (torch.utils.checkpoint, non-reentrant).
 CHOICES = ("keep", "fp8", "fp8_linear", "recompute")
 PLAN_VERSION = 1
-_KEYS = ("version", "layers", "micro_batch", "seq_len", "predicted_peak_bytes", "predicted_step_s", "budget_bytes")
+_KEYS = ("version", "layers", "micro_batch", "seq_len", "predicted_peak_bytes", "predicted_step_s", "budget_bytes",
+         "compile_memory_budget")
 
 
 def _bad(key: str, value, allowed: str) -> ValueError:
@@ -36,6 +37,14 @@ def _optional_number(key: str, value) -> float | None:
     return float(value)
 
 
+def compile_budget(key: str, value) -> float | None:
+    """A torch.compile activation-memory budget: a number in [0, 1], or None (torch's own)."""
+    value = _optional_number(key, value)
+    if value is not None and value > 1:
+        raise _bad(key, value, "a number in [0, 1] (torch.compile's activation-memory budget), or null")
+    return value
+
+
 @dataclass(frozen=True)
 class Plan:
     """One choice per decoder layer, the micro-batch, and the planner's predictions."""
@@ -46,6 +55,7 @@ class Plan:
     predicted_peak_bytes: float | None = None  # planner's peak for this plan (bytes per rank); None: not predicted
     predicted_step_s: float | None = None  # planner's forward+backward+step time (seconds); None: not predicted
     budget_bytes: float | None = None  # the budget the plan was searched under; None: none given
+    compile_memory_budget: float | None = None  # torch.compile's activation-memory budget in [0, 1]; None: torch's own
 
     def __post_init__(self):
         layers = self.layers.items() if isinstance(self.layers, dict) else self.layers
@@ -69,6 +79,8 @@ class Plan:
         _positive_int("seq_len", self.seq_len)
         for key in ("predicted_peak_bytes", "predicted_step_s", "budget_bytes"):
             object.__setattr__(self, key, _optional_number(key, getattr(self, key)))
+        object.__setattr__(self, "compile_memory_budget", compile_budget("compile_memory_budget",
+                                                                         self.compile_memory_budget))
 
     @classmethod
     def uniform(cls, fqns, choice: str, micro_batch: int, seq_len: int) -> "Plan":
@@ -90,12 +102,16 @@ class Plan:
         mix = ", ".join(f"{n} {c}" for c, n in self.counts().items() if n)
         peak = "" if self.predicted_peak_bytes is None else f", predicted peak {self.predicted_peak_bytes / 1e9:.3f} GB"
         step = "" if self.predicted_step_s is None else f", predicted step {self.predicted_step_s * 1e3:.1f} ms"
-        return f"plan: {len(self.layers)} layers ({mix}), micro-batch {self.micro_batch} x {self.seq_len}{peak}{step}"
+        budget = "" if self.compile_memory_budget is None else \
+            f", torch.compile activation-memory budget {self.compile_memory_budget:g}"
+        return (f"plan: {len(self.layers)} layers ({mix}), micro-batch {self.micro_batch} x {self.seq_len}"
+                f"{budget}{peak}{step}")
 
     def to_dict(self) -> dict:
         return {"version": PLAN_VERSION, "layers": dict(self.layers), "micro_batch": self.micro_batch,
                 "seq_len": self.seq_len, "predicted_peak_bytes": self.predicted_peak_bytes,
-                "predicted_step_s": self.predicted_step_s, "budget_bytes": self.budget_bytes}
+                "predicted_step_s": self.predicted_step_s, "budget_bytes": self.budget_bytes,
+                "compile_memory_budget": self.compile_memory_budget}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
@@ -112,7 +128,7 @@ class Plan:
         if not isinstance(d["layers"], dict):
             raise _bad("layers", d["layers"], "a JSON object of layer fqn -> choice")
         return cls(tuple(d["layers"].items()), d["micro_batch"], d["seq_len"], d.get("predicted_peak_bytes"),
-                   d.get("predicted_step_s"), d.get("budget_bytes"))
+                   d.get("predicted_step_s"), d.get("budget_bytes"), d.get("compile_memory_budget"))
 
     def save(self, path: str) -> None:
         """Whole or not at all: a failed write leaves any earlier file as it was."""

@@ -55,9 +55,18 @@ class CostModel:
     layer_s: tuple[tuple[tuple[float, float], ...], ...]  # [layer][choice] seconds above the base choice
     transient: tuple[tuple[float, float], ...]  # [choice] head transient; for "recompute": remat
     base_s: tuple[float, float]  # step time with every layer on the base choice
+    compile_memory_budget: float | None = None  # torch.compile activation-memory budget measured under; None: torch's
 
     @classmethod
-    def from_measurements(cls, m: Measurements, batches: tuple[int, int] | None = None) -> "CostModel":
+    def per_compile_budget(cls, m: Measurements, batches: tuple[int, int] | None = None) -> tuple["CostModel", ...]:
+        """One cost model per torch.compile budget measured (torch's own first); `search_plan`
+        takes them together and returns the best plan under any of them."""
+        return tuple(cls.from_measurements(m, batches, compile_budget=b) for b in m.compile_budgets)
+
+    @classmethod
+    def from_measurements(cls, m: Measurements, batches: tuple[int, int] | None = None, *,
+                          compile_budget: float | None = None) -> "CostModel":
+        """The costs measured under `compile_budget` (None: torch's own partition)."""
         choices = m.choices
         if batches is None:
             batches = tuple(sorted({r.batch for r in m.runs}))[:2]
@@ -69,20 +78,23 @@ class CostModel:
         def fit(f):
             return _line(b1, f(b1), b2, f(b2))
 
+        def run_of(c: str, b: int):
+            return m.run(c, b, compile_budget)
+
         def rest(c: str, b: int) -> float:
-            run = m.run(c, b)
+            run = run_of(c, b)
             if c != _REC:
                 return run.peak_bytes - m.fixed_bytes - sum(run.layer_bytes)
             prefix = list(itertools.accumulate(run.layer_bytes))
             g = list(itertools.accumulate(grads))
             return run.peak_bytes - m.fixed_bytes - max(p - x for p, x in zip(prefix, g))
 
-        layer_bytes = tuple(tuple(fit(lambda b, c=c: m.run(c, b).layer_bytes[i]) for c in choices) for i in range(n))
-        layer_s = tuple(tuple(fit(lambda b, c=c: (m.run(c, b).step_s - m.run(base, b).step_s) / n) for c in choices)
+        layer_bytes = tuple(tuple(fit(lambda b, c=c: run_of(c, b).layer_bytes[i]) for c in choices) for i in range(n))
+        layer_s = tuple(tuple(fit(lambda b, c=c: (run_of(c, b).step_s - run_of(base, b).step_s) / n) for c in choices)
                         for _ in range(n))
         transient = tuple(fit(lambda b, c=c: rest(c, b)) for c in choices)
         return cls(m.layers, choices, m.seq_len, float(m.fixed_bytes), grads, layer_bytes, layer_s, transient,
-                   fit(lambda b: m.run(base, b).step_s))
+                   fit(lambda b: run_of(base, b).step_s), compile_budget)
 
     @staticmethod
     def at(line: tuple[float, float], b: int) -> float:
@@ -173,11 +185,22 @@ def _best_for(model: CostModel, subset: tuple[str, ...], b: int, room: float):
     return None if found is None else [subset[j] for j in found[0]]
 
 
-def search_plan(model: CostModel, budget_bytes: float, *, max_batch: int | None = None,
+def search_plan(model: CostModel | tuple[CostModel, ...], budget_bytes: float, *, max_batch: int | None = None,
                 micro_batches: tuple[int, ...] | None = None, choices: tuple[str, ...] | None = None) -> Plan | None:
     """The plan with the most tokens/s whose predicted peak is <= budget_bytes, over
     micro-batches 1, 2, 4, ... <= max_batch (or exactly `micro_batches`) and the allowed
-    choices (default: all measured); None where no micro-batch fits."""
+    choices (default: all measured); None where no micro-batch fits. Given several cost
+    models (`CostModel.per_compile_budget`), the best plan under any of them, carrying the
+    torch.compile budget it was measured under."""
+    if isinstance(model, CostModel):
+        model = (model,)
+    found = [p for p in (_search_one(m, budget_bytes, max_batch, micro_batches, choices) for m in model)
+             if p is not None]
+    # Ties go to the first model: torch's own partition, which per_compile_budget lists first.
+    return max(found, key=lambda p: p.micro_batch / p.predicted_step_s, default=None)
+
+
+def _search_one(model: CostModel, budget_bytes: float, max_batch, micro_batches, choices) -> Plan | None:
     if (max_batch is None) == (micro_batches is None):
         raise ValueError("search_plan: give max_batch or micro_batches (one of them)")
     if micro_batches is None:
@@ -210,4 +233,5 @@ def search_plan(model: CostModel, budget_bytes: float, *, max_batch: int | None 
     if best is None:
         return None
     _, names, peak, step, b = best
-    return Plan(tuple(zip(model.layers, names)), b, model.seq_len, peak, step, budget_bytes)
+    return Plan(tuple(zip(model.layers, names)), b, model.seq_len, peak, step, budget_bytes,
+                model.compile_memory_budget)

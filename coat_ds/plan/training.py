@@ -40,7 +40,7 @@ def _searched(model: nn.Module, budget_gb: float, ds_settings, seq_len: int, say
         run = measure_plan(model, p, factory, config=config)
         return run.peak_bytes, run.step_s
 
-    plan, attempts = search_verified(CostModel.from_measurements(m), budget_gb * 1e9, measure,
+    plan, attempts = search_verified(CostModel.per_compile_budget(m), budget_gb * 1e9, measure,
                                      micro_batches=(mb,), say=say)
     if plan is None and attempts:
         raise SystemExit(f"--memory-budget-gb {budget_gb}: no plan measured within it at micro-batch {mb} x "

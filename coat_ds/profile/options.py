@@ -37,6 +37,7 @@ class ProfileOptions:
     choices: tuple[str, ...] = ("keep", "fp8", "recompute")  # --plan: the choices measured and searched
     vocab_size: int | None = None  # --plan: tokens in the vocabulary; None: 32000 (Llama's)
     compile: bool = False  # --plan: torch.compile each decoder block before measuring
+    compile_budgets: tuple[float, ...] = ()  # --plan --compile: torch.compile activation-memory budgets measured too
     fp8_linear: bool = False  # COAT side: FP8 linears (convert_to_fp8_linear) before the activation hooks
 
     def __post_init__(self):
@@ -74,6 +75,13 @@ class ProfileOptions:
             raise ValueError("--plan runs in one process: give --engine none (the default) and no --nproc")
         if not self.plan and (self.compile or self.vocab_size is not None):
             raise ValueError("--compile and --vocab-size are for --plan runs")
+        if self.compile_budgets and not (self.plan and self.compile):
+            raise ValueError("--compile-budgets is for --plan --compile runs (torch reads the budget when it "
+                             "compiles a graph)")
+        from ..plan import MeasureConfig
+
+        object.__setattr__(self, "compile_budgets",
+                           MeasureConfig(compile_budgets=self.compile_budgets).compile_budgets)
         if self.plan and self.fp8_linear:
             raise ValueError("--fp8-linear is for the two-side comparison; with --plan, give the choice "
                              "fp8_linear in --choices")
@@ -110,6 +118,9 @@ def parse_options(argv: list[str] | None = None) -> ProfileOptions:
                    help="--plan: choices measured and searched (keep fp8 fp8_linear recompute)")
     p.add_argument("--vocab-size", type=int, default=None, help="--plan: vocabulary size (default 32000)")
     p.add_argument("--compile", action="store_true", help="--plan: torch.compile each decoder block")
+    p.add_argument("--compile-budgets", type=float, nargs="+", default=[],
+                   help="--plan --compile: also measure under these torch.compile activation-memory budgets "
+                        "(0..1) and let the plan pick one")
     p.add_argument("--fp8-linear", action="store_true",
                    help="COAT side: FP8 linear layers (convert_to_fp8_linear) as well as FP8 activations")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
@@ -123,7 +134,8 @@ def parse_options(argv: list[str] | None = None) -> ProfileOptions:
                               measure_batches=tuple(a.measure_batches), max_batch=a.max_batch,
                               throughput_steps=a.throughput_steps, seed=a.seed, side=a.side,
                               isolate=not a.in_process, nproc=a.nproc, plan=a.plan, choices=tuple(a.choices),
-                              vocab_size=a.vocab_size, compile=a.compile, fp8_linear=a.fp8_linear)
+                              vocab_size=a.vocab_size, compile=a.compile, fp8_linear=a.fp8_linear,
+                              compile_budgets=tuple(a.compile_budgets))
     except ValueError as e:  # a bad value is a usage error: argparse's message and exit status 2
         p.error(str(e))
 

@@ -69,16 +69,18 @@ def profile_plan(opts, mcfg, seq_len: int, device: torch.device, budget: float, 
         return CoatAdamW(params, **coat.coat_kwargs)
 
     config = MeasureConfig(seq_len=seq_len, batches=opts.measure_batches, choices=opts.choices,
-                           timed_steps=max(1, opts.throughput_steps), seed=opts.seed)
+                           timed_steps=max(1, opts.throughput_steps), seed=opts.seed,
+                           compile_budgets=opts.compile_budgets)
     say(f"[plan] measuring {', '.join(config.choices)} at micro-batches {config.batches} "
         f"(every layer on one choice per run)")
     m = measure_choices(model, optimizer, config=config, say=say)
-    costs = CostModel.from_measurements(m)
+    costs = CostModel.per_compile_budget(m)
+    by_budget = {c.compile_memory_budget: c for c in costs}
 
     def run(name: str, p: Plan) -> dict:
         say(f"[plan] running {name} at micro-batch {p.micro_batch}")
         got = measure_plan(model, p, optimizer, config=config)
-        peak, step = costs.predict([c for _, c in p.layers], p.micro_batch)
+        peak, step = by_budget[p.compile_memory_budget].predict([c for _, c in p.layers], p.micro_batch)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -113,12 +115,13 @@ def profile_plan(opts, mcfg, seq_len: int, device: torch.device, budget: float, 
     b = plan.micro_batch
     runs = [(name, Plan.uniform(m.layers, c, b, seq_len)) for c, name in _UNIFORM if c in m.choices]
     rows = [run(name, p) for name, p in runs] + tried
+    chosen = by_budget[plan.compile_memory_budget]  # the per-layer table: costs under the plan's budget
     per_layer = [{"layer": fqn,
-                  "held_bytes": {c: costs.at(costs.layer_bytes[i][j], b) for j, c in enumerate(costs.choices)},
-                  "ms_vs_base": {c: 1e3 * costs.at(costs.layer_s[i][j], b) for j, c in enumerate(costs.choices)}}
-                 for i, fqn in enumerate(costs.layers)]
+                  "held_bytes": {c: chosen.at(chosen.layer_bytes[i][j], b) for j, c in enumerate(chosen.choices)},
+                  "ms_vs_base": {c: 1e3 * chosen.at(chosen.layer_s[i][j], b) for j, c in enumerate(chosen.choices)}}
+                 for i, fqn in enumerate(chosen.layers)]
     result = {"plan": plan.to_dict(), "seq_len": seq_len, "budget_bytes": budget, "fixed_bytes": m.fixed_bytes,
-              "choices": list(costs.choices), "per_layer": per_layer, "rows": rows, "meter": m.meter,
+              "choices": list(chosen.choices), "per_layer": per_layer, "rows": rows, "meter": m.meter,
               "optimizer": f"CoatAdamW from {coat.config_path}", "measurements": m.to_dict()}
     table = plan_tables(result)
     result["markdown"] = table
