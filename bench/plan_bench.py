@@ -145,7 +145,7 @@ def bench_shape(args, shape: str, workdir: str) -> list[dict]:
         return rows
     costs = CostModel.per_compile_budget(Measurements.from_dict(measured["measurements"]), _measured_batches(args.bs))
     for r in rows:
-        if r["side"] == "coat" and "ms" in r:  # same optimizer as the measurement run: comparable
+        if r["side"] == "coat" and "ms" in r and "fp8" in costs[0].choices:  # same optimizer: comparable
             peak, step = costs[0].predict(list(r["plan"]["layers"].values()), args.bs)
             r["predicted_peak_gb"], r["predicted_ms"] = peak / 1e9, step * 1e3
     done: dict[tuple, dict] = {}
