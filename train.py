@@ -233,6 +233,9 @@ def train(cfg: TrainConfig) -> None:
                             say=lambda s: say(s, flush=True))
         say(plan.summary() + "\n" + "\n".join(f"  {fqn}: {c}" for fqn, c in plan.layers), flush=True)
         activations = apply_plan(model, plan).activations
+        if plan.compile_memory_budget is not None and not cfg.compile:
+            say(f"WARNING: the plan's torch.compile activation-memory budget ({plan.compile_memory_budget:g}) "
+                "does nothing without compile: true; its layers save what eager autograd saves", flush=True)
     if cfg.compile:
         # Block by block, in place and before the engine wraps them (as torchtitan does):
         # the engines' hooks stay outside the graphs, and one graph serves every block.

@@ -51,3 +51,12 @@ def test_plan_flags_conflicts_named():
         parse_config(["--memory-budget-gb", "1", "--compress-activations"])
     with pytest.raises(SystemExit, match="memory_budget_gb"):
         parse_config(["--memory-budget-gb", "-1"])
+
+
+def test_plan_file_with_a_compile_budget_warns_without_compile(tmp_path):
+    path = tmp_path / "plan.json"
+    Plan((("blocks.0", "keep"), ("blocks.1", "fp8")), 8, 64, compile_memory_budget=0.5).save(str(path))
+    out = run_in_repo([*_BASE, "--max-steps", "1", "--plan", str(path)], 300).stdout
+    assert "torch.compile activation-memory budget 0.5" in out  # the plan's summary line
+    assert "WARNING: the plan's torch.compile activation-memory budget (0.5) does nothing without compile" in out
+    assert "step 1/1" in out
