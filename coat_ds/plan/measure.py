@@ -262,12 +262,18 @@ class _Session:
         hooks = self.layer_bytes
         hooks.start(meter)
         held = None
+        # The CPU tracker is a dispatch mode, and torch.compile skips every frame it meets
+        # under one, for good: compiled layers would run eagerly from this step on. So on
+        # CPU the measured step runs eagerly, on purpose and without touching the compiled
+        # code; the warm-up and timed steps stay compiled.
+        eager = torch.compiler.set_stance("force_eager") if device.type != "cuda" else contextlib.nullcontext()
         meter.start()
         try:
-            loss = self.forward(x)
-            held = hooks.stop()
-            loss.backward()
-            del loss
+            with eager:
+                loss = self.forward(x)
+                held = hooks.stop()
+                loss.backward()
+                del loss
             self.grads_bytes = self.storage_bytes(p.grad for p in self.params)
             if device.type != "cuda":
                 meter.stop()  # the tracker would trace every op of a pure-torch optimizer step (slow)

@@ -57,19 +57,9 @@ class CudaMeter(Meter):
 
 
 class _Track(TorchDispatchMode):
-    # Compiled graphs call higher-order operators (run_and_save_rng_state where the
-    # partitioner recomputes random ops): counted by their outputs, as any other op.
-    supports_higher_order_operators = True
-
     def __init__(self, meter: "StorageMeter"):
         super().__init__()
         self.meter = meter
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        # Otherwise torch.compile skips every frame it meets under this mode, for good: the
-        # compiled layers of a measured model would run eagerly from then on.
-        return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
