@@ -46,10 +46,14 @@ def test_profile_plan_writes_plan_and_report(tmp_path, one_thread, capsys):
 
 def test_profile_plan_option_errors(capsys):
     for argv, words in ((["--plan", "--engine", "fsdp"], "one process"), (["--compile"], "for --plan"),
-                        (["--plan", "--choices", "keep", "bf16"], "bf16")):
+                        (["--plan", "--choices", "keep", "bf16"], "bf16"),
+                        (["--plan", "--compile-budgets", "0.5"], "--plan --compile runs"),
+                        (["--plan", "--compile", "--compile-budgets", "1.5"], "compile_budgets")):
         with pytest.raises(SystemExit):
             parse_options(["--model", "tiny", "--budget-gb", "1", *argv])
         assert words in capsys.readouterr().err
+    ok = parse_options(["--model", "tiny", "--budget-gb", "1", "--plan", "--compile", "--compile-budgets", "0.5", "0"])
+    assert ok.compile_budgets == (0.5, 0.0)
 
 
 def test_plan_bench_tiny_runs_every_side():
