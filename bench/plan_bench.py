@@ -179,7 +179,8 @@ def bench_shape(args, shape: str, workdir: str) -> list[dict]:
             continue
         if plan is None:
             plan = attempts[-1]["plan"]
-        row = {**done[(plan.layers, plan.micro_batch, plan.compile_memory_budget)], "side": label, "budget_gb": budget / 1e9,
+        key = (plan.layers, plan.micro_batch, plan.compile_memory_budget)
+        row = {**done[key], "side": label, "budget_gb": budget / 1e9,
                "predicted_peak_gb": plan.predicted_peak_bytes / 1e9, "predicted_ms": plan.predicted_step_s * 1e3,
                "counts": plan.counts(), "compile_memory_budget": plan.compile_memory_budget,
                "searches": len(attempts),

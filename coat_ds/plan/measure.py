@@ -3,12 +3,12 @@ at two micro-batches.
 
 Per layer, the bytes a layer's forward leaves allocated (what backward will read, plus its
 output, less its input where nothing keeps it) come from the allocator:
-`torch.cuda.memory_allocated` before and after the layer on CUDA, the storage tracker of the memory profiler (coat_ds.profile.meters) on CPU, read in
-forward hooks on the layer. The step's peak (CUDA: `max_memory_allocated` over forward,
-backward and optimizer step; CPU: resident bytes + the tracker's peak over forward and
-backward) and its time (median of timed steps, perf_counter after a device synchronize) are
-read for the whole model. The fixed part (parameters, gradients, optimizer state) is read
-from the tensors themselves.
+`torch.cuda.memory_allocated` before and after the layer on CUDA, the storage tracker of
+the memory profiler (coat_ds.profile.meters) on CPU, read in forward hooks on the layer.
+The step's peak (CUDA: `max_memory_allocated` over forward, backward and optimizer step;
+CPU: resident bytes + the tracker's peak over forward and backward) and its time (median of
+timed steps, perf_counter after a device synchronize) are read for the whole model. The
+fixed part (parameters, gradients, optimizer state) is read from the tensors themselves.
 """
 from __future__ import annotations
 

@@ -51,7 +51,7 @@ class CostModel:
     seq_len: int  # tokens per sequence
     fixed_bytes: float  # parameters + gradients + optimizer state
     layer_grad_bytes: tuple[float, ...]  # per layer: its gradients' bytes
-    layer_bytes: tuple[tuple[tuple[float, float], ...], ...]  # [layer][choice] bytes left allocated by forward, input released
+    layer_bytes: tuple[tuple[tuple[float, float], ...], ...]  # [layer][choice] bytes held to backward
     layer_s: tuple[tuple[tuple[float, float], ...], ...]  # [layer][choice] seconds above the base choice
     transient: tuple[tuple[float, float], ...]  # [choice] head transient; for "recompute": remat
     base_s: tuple[float, float]  # step time with every layer on the base choice

@@ -21,7 +21,8 @@ def _same(a: Plan, b: Plan) -> bool:
     return (a.layers, a.micro_batch, a.compile_memory_budget) == (b.layers, b.micro_batch, b.compile_memory_budget)
 
 
-def search_verified(model: CostModel | tuple[CostModel, ...], budget_bytes: float, measure: Callable[[Plan], tuple[float, float]], *,
+def search_verified(model: CostModel | tuple[CostModel, ...], budget_bytes: float,
+                    measure: Callable[[Plan], tuple[float, float]], *,
                     tries: int = 3, say: Callable[[str], None] = print, **search_kwargs) -> tuple[Plan | None, list]:
     """(plan, attempts): the fastest plan whose *measured* peak is within `budget_bytes`, or
     None. `measure(plan)` runs a plan and returns (peak bytes, step seconds); it is called
