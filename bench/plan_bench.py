@@ -8,6 +8,7 @@ predicted vs measured peak and step time, and a table last.
     python bench/plan_bench.py                      # both shapes (7b layer shapes, ~1b)
     python bench/plan_bench.py --shape 7b --budgets 0.6
     python bench/plan_bench.py --tiny --in-process  # CPU, tiny sizes (what CI runs)
+    python bench/plan_bench.py --shape 1b --compile-budgets 0.5 0.2  # torch.compile budgets as well
 
 The planner measures at the benchmark's micro-batch and at half of it (each cost a line in
 the micro-batch) and plans over micro-batches 1, 2, 4, ... up to the benchmark's; a plan
