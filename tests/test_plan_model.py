@@ -130,18 +130,23 @@ def test_predicted_peak_of_a_mixed_plan_within_5_percent():
     assert found is not None and found.predicted_peak_bytes <= (lo + hi) / 2
 
 
+def _small_vocab_llama(n_layers: int):
+    """HF Llama whose layers, not its logits, make the peak (vocabulary 512)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                                   num_key_value_heads=4, num_hidden_layers=n_layers, vocab_size=512,
+                                   max_position_embeddings=128, use_cache=False)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
 def test_mixed_plans_on_hf_llama_predicted_within_1_percent_of_their_activations():
     # A small vocabulary, so that the layers, not the logits, make the peak. HF Llama drops
     # a layer's input after the layer returns (and the embedding output only when the
     # model's forward returns): where an FP8 layer did not save it, it is gone by backward.
     # Before that was counted, every FP8 layer's bytes carried one hidden state and these
     # plans came out up to 8.5% of their activations over.
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4,
-                                   num_key_value_heads=4, num_hidden_layers=3, vocab_size=512,
-                                   max_position_embeddings=128, use_cache=False)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg)
+    model = _small_vocab_llama(3)
     mc = MeasureConfig(seq_len=128, batches=(2, 4), timed_steps=1)
     m = measure_choices(model, _adamw, config=mc)
     costs = CostModel.from_measurements(m)
@@ -193,12 +198,7 @@ def test_compile_budget_measured_searched_and_applied_on_compiled_hf_llama():
     import torch._functorch.config as functorch_config
     from torch.autograd.graph import saved_tensors_hooks
 
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4,
-                                   num_key_value_heads=4, num_hidden_layers=2, vocab_size=512,
-                                   max_position_embeddings=128, use_cache=False)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg)
+    model = _small_vocab_llama(2)
     saved = []
 
     def loss_fn(m, ids):

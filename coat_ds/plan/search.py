@@ -194,13 +194,6 @@ def search_plan(model: CostModel | tuple[CostModel, ...], budget_bytes: float, *
     torch.compile budget it was measured under."""
     if isinstance(model, CostModel):
         model = (model,)
-    found = [p for p in (_search_one(m, budget_bytes, max_batch, micro_batches, choices) for m in model)
-             if p is not None]
-    # Ties go to the first model: torch's own partition, which per_compile_budget lists first.
-    return max(found, key=lambda p: p.micro_batch / p.predicted_step_s, default=None)
-
-
-def _search_one(model: CostModel, budget_bytes: float, max_batch, micro_batches, choices) -> Plan | None:
     if (max_batch is None) == (micro_batches is None):
         raise ValueError("search_plan: give max_batch or micro_batches (one of them)")
     if micro_batches is None:
@@ -209,6 +202,12 @@ def _search_one(model: CostModel, budget_bytes: float, max_batch, micro_batches,
         micro_batches = tuple(2 ** k for k in range(max_batch.bit_length()))
     elif not micro_batches or any(not isinstance(b, int) or b < 1 for b in micro_batches):
         raise ValueError(f"search_plan: micro_batches: got {micro_batches!r}; allowed: integers >= 1")
+    found = [p for p in (_search_one(m, budget_bytes, micro_batches, choices) for m in model) if p is not None]
+    # Ties go to the first model: torch's own partition, which per_compile_budget lists first.
+    return max(found, key=lambda p: p.micro_batch / p.predicted_step_s, default=None)
+
+
+def _search_one(model: CostModel, budget_bytes: float, micro_batches: tuple[int, ...], choices) -> Plan | None:
     allowed = [c for c in (choices or model.choices) if c in model.choices]
     if not allowed:
         raise ValueError(f"choices {choices!r}: none of them was measured ({model.choices})")
