@@ -7,6 +7,7 @@ quantize/transpose kernels against copy bandwidth.
     python bench/fp8_linear_bench.py --shape 1b --sides bf16 coat_fp8
     python bench/fp8_linear_bench.py --kernels             # quantize/transpose vs copy
     python bench/fp8_linear_bench.py --shape 7b --side coat_fp8 --profile   # one side, top kernels
+    python bench/fp8_linear_bench.py --shape 7b --side coat_fp8 --trace t.json.gz   # then bench/gpu_gaps.py
 
 Sides: bf16 (torch AdamW fused), bf16_ckpt (+ full activation checkpointing), torchao
 (float8 tensorwise linears + torch AdamW), coat (CoatAdamW + compress_activations),
@@ -66,7 +67,7 @@ def _build(shape: str, side: str):
     return model, opt
 
 
-def run_side(shape: str, side: str, bs: int, seq: int, steps: int, profile: bool) -> dict:
+def run_side(shape: str, side: str, bs: int, seq: int, steps: int, profile: bool, trace: str | None = None) -> dict:
     import logging
 
     logging.basicConfig(level=logging.INFO)
@@ -107,6 +108,13 @@ def run_side(shape: str, side: str, bs: int, seq: int, steps: int, profile: bool
             step()
             torch.cuda.synchronize()
         print(p.key_averages().table(sort_by="cuda_time_total", row_limit=70, max_name_column_width=220), flush=True)
+    if trace:
+        from torch.profiler import ProfilerActivity, profile as prof
+
+        with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+            step()
+            torch.cuda.synchronize()
+        p.export_chrome_trace(trace)
     return out
 
 
@@ -175,13 +183,15 @@ def main():
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--profile", action="store_true", help="with --side: print the top CUDA kernels of one step")
+    ap.add_argument("--trace", default=None,
+                    help="with --side: write one step's CPU+CUDA chrome trace here (.json.gz); see bench/gpu_gaps.py")
     ap.add_argument("--kernels", action="store_true", help="microbenchmark the quantize/transpose kernels")
     ap.add_argument("--log-dir", default=None, help="write each side's full output here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     if args.side:
-        res = run_side(args.shape[0], args.side, args.bs, args.seq, args.steps, args.profile)
+        res = run_side(args.shape[0], args.side, args.bs, args.seq, args.steps, args.profile, args.trace)
         print("RESULT " + json.dumps(res), flush=True)
         return
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")

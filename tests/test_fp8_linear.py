@@ -272,6 +272,59 @@ def test_torch_compile_fullgraph():
         assert sqnr_db(y0, y) > 40 and sqnr_db(dx0, dx) > 40 and sqnr_db(dw0, dw) > 40, backend
 
 
+class _AttnMlp(nn.Module):
+    """q/k/v read one input, gate/up another, down a third: three FP8 inputs in all."""
+
+    def __init__(self, d=64, h=128):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(d, d, bias=False) for _ in range(3))
+        self.gate, self.up = (nn.Linear(d, h, bias=False) for _ in range(2))
+        self.down = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        a = self.q(x) + self.k(x) * 2 + self.v(x) * 3
+        return self.down(self.gate(a) - self.up(a))
+
+
+def test_inductor_writes_one_fp8_copy_per_input_for_sibling_gemms():
+    """Inductor's _scaled_mm lowering materializes a cast once per GEMM reading it unless its
+    layout is fixed: compiled, q/k/v must read one FP8 buffer (and gate/up one), forward and
+    backward, with gradients equal to the eager layer's."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    ref = _AttnMlp()
+    eager, m = _AttnMlp(), _AttnMlp()
+    for mod in (eager, m):
+        mod.load_state_dict(ref.state_dict())
+        convert_to_fp8_linear(mod, config=Fp8LinearConfig(fp8_gemm="on"))
+    x, g = torch.randn(4, 32, 64), torch.randn(4, 32, 64)
+
+    def step(model, x, autocast=True):
+        x = x.clone().requires_grad_()
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            y = model(x)
+        y.backward(g.to(y.dtype))
+        return [y, x.grad] + [getattr(model, n).weight.grad for n in ("q", "gate", "down")]
+
+    compiled, code = run_and_get_code(step, torch.compile(m), x)
+    exact = step(ref, x, autocast=False)
+    # Compiled and eager round differently (Inductor keeps FP32 between BF16 ops), which
+    # moves FP8 codes by one step: both are held to FP32, not to each other.
+    for i, (e, a, b) in enumerate(zip(exact, step(eager, x), compiled)):
+        assert sqnr_db(e, b) > sqnr_db(e, a) - 1.5 and sqnr_db(e, b) > 18, (i, sqnr_db(e, a), sqnr_db(e, b))
+    fwd = [a for a in re.findall(r"_scaled_mm\((?:aten\.view\.dtype\()?(\w+)", code[0])]
+    assert len(fwd) == 6 and len(set(fwd)) == 3, fwd  # six GEMMs, three distinct inputs
+    # The weight gradients contract over tokens: their second operand is the transposed
+    # input copy, one per distinct input.
+    dw = re.findall(r"_scaled_mm\(aten\.view\.dtype\(\w+, [\w.]+\), (?:aten\.view\.dtype\()?"
+                    r"(?:reinterpret_tensor\()?(\w+)[^\n]*out_dtype=torch\.float32", code[1])
+    assert len(dw) == 6 and len(set(dw)) == 3, dw
+
+
 def test_train_py_flag_and_yaml_key(tmp_path):
     import sys
 

@@ -53,7 +53,19 @@ def _custom_quantize(x, fmt, rowwise, transposed, exp=None):
 
 
 def _torch_quantize(x, fmt, rowwise, transposed, exp=None):
-    return reference.linear_quantize(x, fmt, rowwise, transposed, GEMM_ALIGN, exp)
+    codes, codes_t, e = reference.linear_quantize(x, fmt, rowwise, transposed, GEMM_ALIGN, exp)
+    if torch.compiler.is_compiling():
+        codes, codes_t = _one_buffer(codes), _one_buffer(codes_t)
+    return codes, codes_t, e
+
+
+def _one_buffer(codes):
+    """Inductor's _scaled_mm lowering writes a pointwise cast once per GEMM that reads it
+    (q/k/v: three identical FP8 copies of their input); a fixed layout makes the cast one
+    buffer that all of them read. Eagerly a no-op (the strides already match)."""
+    if codes is None:
+        return None
+    return torch.ops.prims.inductor_force_stride_order.default(codes, codes.stride())
 
 
 def get_linear_ops(device: torch.device, backend: str = "auto"):
