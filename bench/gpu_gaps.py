@@ -4,7 +4,7 @@ the CPU op that launched the kernel after it, and the host syncs that made the G
 A step whose CUDA-event time exceeds the sum of its kernels spends the difference idle; this
 says which host work the GPU was waiting for.
 
-    python bench/gpu_gaps.py trace.json.gz [--min-us 5] [--top 25]
+    python bench/gpu_gaps.py trace.json.gz [--min-us 5] [--top 25] [--kernels 20]
 """
 from __future__ import annotations
 
@@ -51,8 +51,9 @@ def _label(stack: list[str], depth: int) -> str:
 def analyse(events: list[dict], min_us: float, depth: int) -> dict:
     gpu = sorted((e["ts"], e["ts"] + e["dur"], e["name"], e.get("args", {}).get("correlation"))
                  for e in events if e.get("cat") in _GPU)
+    # Triton's kernels are launched through the driver API, the rest through the runtime.
     runtime = {e["args"]["correlation"]: e for e in events
-               if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+               if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     stacks = _Stacks(events)
     busy = idle = 0.0
     end = gpu[0][0]
@@ -77,14 +78,45 @@ def analyse(events: list[dict], min_us: float, depth: int) -> dict:
     return dict(span_ms=(end - gpu[0][0]) / 1e3, busy_ms=busy / 1e3, idle_ms=idle / 1e3, gaps=gaps, syncs=syncs)
 
 
+def category(name: str) -> str:
+    if name.startswith("nvjet") or "gemm" in name.lower() or "cutlass" in name:
+        # cuBLASLt's nvjet names spell the operand types: q/r are FP8 (E4M3/E5M2).
+        return "GEMM, FP8" if name.startswith("nvjet_sm90_q") else "GEMM, 16/32-bit"
+    if "flash" in name or "fmha" in name or "sdpa" in name:
+        return "attention"
+    if name.startswith("triton_"):
+        return "Inductor kernels"
+    if "adam" in name.lower() or "FusedOpti" in name:
+        return "optimizer"
+    return "other"
+
+
+def kernel_table(events: list[dict], top: int) -> list[str]:
+    """CUDA time by category, then the `top` kernels by total time."""
+    by_cat, by_name, calls = collections.Counter(), collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("cat") in _GPU:
+            by_cat[category(e["name"])] += e["dur"]
+            by_name[e["name"][:100]] += e["dur"]
+            calls[e["name"][:100]] += 1
+    rows = ["| category | ms |", "|---|---|"] + [f"| {c} | {us / 1e3:.1f} |" for c, us in by_cat.most_common()]
+    rows += [f"| sum | {sum(by_cat.values()) / 1e3:.1f} |", "", "| ms | calls | kernel |", "|---|---|---|"]
+    rows += [f"| {us / 1e3:.2f} | {calls[n]} | {n} |" for n, us in by_name.most_common(top)]
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace")
     ap.add_argument("--min-us", type=float, default=5.0, help="gaps shorter than this are counted, not listed")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--depth", type=int, default=2, help="enclosing ops named per gap")
+    ap.add_argument("--kernels", type=int, default=0, help="also list CUDA time by category and the top N kernels")
     args = ap.parse_args()
-    r = analyse(load(args.trace), args.min_us, args.depth)
+    events = load(args.trace)
+    if args.kernels:
+        print("\n".join(kernel_table(events, args.kernels)) + "\n")
+    r = analyse(events, args.min_us, args.depth)
     print(f"GPU span {r['span_ms']:.1f} ms, kernels busy {r['busy_ms']:.1f} ms, idle {r['idle_ms']:.1f} ms")
     listed = sum(v[0] for v in r["gaps"].values()) / 1e3
     print(f"idle in gaps >= {args.min_us:g} us: {listed:.1f} ms; by the host op that launched the next kernel:")
