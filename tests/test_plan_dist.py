@@ -1,5 +1,5 @@
 """A mixed plan applied by train.py under the engines it is meant for, 2 CPU ranks over gloo:
-FSDP2 (torchrun) and DeepSpeed ZeRO-3 (the deepspeed launcher). Each run is compared with
+FSDP2 (torchrun) and DeepSpeed ZeRO-1, -2 and -3 (the deepspeed launcher). Each run is compared with
 the same run without a plan: same data, same initial weights, so the losses may differ only
 by FP8 rounding (one block's linears in FP8) and not at all through recomputation."""
 from __future__ import annotations
@@ -19,13 +19,15 @@ _TRAIN = ["train.py", "--config", "configs/tiny.yaml", "--max-steps", "4", "--lo
 _LAUNCH = {
     "fsdp2": lambda: [os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
                       *_TRAIN, "--fsdp", "--deepspeed", "ds_configs/coat_zero2.json"],
-    "zero3": lambda: [os.path.join(BIN, "deepspeed"), "--num_accelerators", "2", "--master_port", str(free_port()),
-                      *_TRAIN, "--deepspeed", "ds_configs/coat_zero3.json"],
 }
+for _stage in (1, 2, 3):
+    _LAUNCH[f"zero{_stage}"] = lambda stage=_stage: [
+        os.path.join(BIN, "deepspeed"), "--num_accelerators", "2", "--master_port", str(free_port()),
+        *_TRAIN, "--deepspeed", f"ds_configs/coat_zero{stage}.json"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["fsdp2", "zero3"])
+@pytest.mark.parametrize("engine", ["fsdp2", "zero1", "zero2", "zero3"])
 def test_mixed_plan_trains_like_no_plan(tmp_path, engine):
     launcher = _LAUNCH[engine]()
     if not os.path.exists(launcher[0]):
