@@ -204,3 +204,27 @@ def test_gpu_activation_kernels_hardware_equals_portable(fmt, dtype):
         return [ct, et, ops.dequantize_tensor(ct, et, fmt, dtype), cr, er, ops.dequantize_rows(cr, er, 16, fmt, dtype)]
 
     _assert_bits_equal(*_both_paths(run))
+
+
+def test_kernel_choice_traces_without_a_graph_break():
+    """A layer that asks for its kernels while torch.compile traces it makes Dynamo trace
+    the Triton probe (its lru_cache does not apply there). The probe parsed Triton's version
+    with `re`; with the regex cache evicted (transformers compiles hundreds of patterns),
+    torch 2.11's Dynamo broke the graph inside `re`'s compiler, which split a compiled FP8
+    layer into pieces on the H100 (+100 ms per 7B step). torch 2.13 traces `re`, so on CPU
+    this guards the fullgraph trace, not that particular break."""
+    import re
+
+    from coat_ds.kernels import fp8
+
+    def pick(x):
+        return x + 1 if fp8.triton_usable(x.device) else x - 1
+
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for dev in devices:
+        x = torch.zeros(2, device=dev)
+        expected = pick(x)
+        torch._dynamo.reset()
+        fp8.triton_version.cache_clear()
+        re.purge()
+        assert torch.equal(torch.compile(pick, fullgraph=True, backend="eager")(x), expected), dev

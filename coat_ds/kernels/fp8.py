@@ -4,7 +4,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -98,8 +97,20 @@ _log = logging.getLogger("coat_ds.kernels")
 
 
 def _version(v: str) -> tuple[int, int]:
-    parts = re.findall(r"\d+", v)[:2]
-    return (int(parts[0]), int(parts[1])) if len(parts) == 2 else (0, 0)
+    """(major, minor) of a version string; (0, 0) when it has no two leading numbers.
+
+    Plain string methods, no `re`: torch.compile traces this when a layer first asks for
+    its kernels while being compiled, and torch 2.11's Dynamo breaks the graph inside `re`."""
+    parts = v.split("+")[0].split(".")[:2]
+    if len(parts) < 2:
+        return (0, 0)
+    digits = []
+    for part in parts:
+        n = len(part) - len(part.lstrip("0123456789"))
+        if n == 0:
+            return (0, 0)
+        digits.append(int(part[:n]))
+    return (digits[0], digits[1])
 
 
 @lru_cache(maxsize=None)
