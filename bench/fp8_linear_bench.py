@@ -101,16 +101,14 @@ def run_side(shape: str, side: str, bs: int, seq: int, steps: int, profile: bool
     out = {"shape": shape, "side": side, "bs": bs, "seq": seq, "ms": times[len(times) // 2],
            "peak_gb": torch.cuda.max_memory_allocated() / 1e9, "loss": float(loss), "warmup_s": warm_s,
            "params": sum(p.numel() for p in model.parameters())}
-    if profile:
+    if profile or trace:
         from torch.profiler import ProfilerActivity, profile as prof
-
+    if profile:
         with prof(activities=[ProfilerActivity.CUDA]) as p:
             step()
             torch.cuda.synchronize()
         print(p.key_averages().table(sort_by="cuda_time_total", row_limit=70, max_name_column_width=220), flush=True)
     if trace:
-        from torch.profiler import ProfilerActivity, profile as prof
-
         with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
             step()
             torch.cuda.synchronize()

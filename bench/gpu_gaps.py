@@ -65,8 +65,8 @@ def analyse(events: list[dict], min_us: float, depth: int) -> dict:
             if gap >= min_us:
                 launch = runtime.get(corr)
                 where = _label(stacks.at(launch["tid"], launch["ts"]), depth) if launch else "(launch not traced)"
-                gaps[f"{where} | next: {name[:60]}"][0] += gap
-                gaps[f"{where} | next: {name[:60]}"][1] += 1
+                gaps[where, name[:60]][0] += gap
+                gaps[where, name[:60]][1] += 1
         busy += max(0.0, stop - max(start, end))
         end = max(end, stop)
     syncs = collections.defaultdict(lambda: [0.0, 0])
@@ -121,8 +121,7 @@ def main():
     listed = sum(v[0] for v in r["gaps"].values()) / 1e3
     print(f"idle in gaps >= {args.min_us:g} us: {listed:.1f} ms; by the host op that launched the next kernel:")
     print("| idle ms | gaps | launched from | next kernel |\n|---|---|---|---|")
-    for key, (us, n) in sorted(r["gaps"].items(), key=lambda kv: -kv[1][0])[:args.top]:
-        where, nxt = key.split(" | next: ")
+    for (where, nxt), (us, n) in sorted(r["gaps"].items(), key=lambda kv: -kv[1][0])[:args.top]:
         print(f"| {us / 1e3:.2f} | {n} | {where} | {nxt} |")
     print("\nhost waits on the GPU (sync calls):\n| ms | calls | call |\n|---|---|---|")
     for key, (us, n) in sorted(r["syncs"].items(), key=lambda kv: -kv[1][0])[:args.top]:

@@ -316,7 +316,7 @@ def test_inductor_writes_one_fp8_copy_per_input_for_sibling_gemms():
     # moves FP8 codes by one step: both are held to FP32, not to each other.
     for i, (e, a, b) in enumerate(zip(exact, step(eager, x), compiled)):
         assert sqnr_db(e, b) > sqnr_db(e, a) - 1.5 and sqnr_db(e, b) > 18, (i, sqnr_db(e, a), sqnr_db(e, b))
-    fwd = [a for a in re.findall(r"_scaled_mm\((?:aten\.view\.dtype\()?(\w+)", code[0])]
+    fwd = re.findall(r"_scaled_mm\((?:aten\.view\.dtype\()?(\w+)", code[0])
     assert len(fwd) == 6 and len(set(fwd)) == 3, fwd  # six GEMMs, three distinct inputs
     # The weight gradients contract over tokens: their second operand is the transposed
     # input copy, one per distinct input.
