@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # FP8 linears, this tree against an older one (OLD, e.g. `git archive <rev> coat_ds bench`
 # unpacked into .oldwt), in one device call: the GPU tests of the layer, BF16, then the
-# trees' coat_fp8 sides alternating for ROUNDS rounds, torchao float8, and the ~1B shape.
+# trees' coat_fp8 sides alternating for ROUNDS rounds (with EXTRA sides of this tree after
+# each of its coat_fp8 runs, e.g. EXTRA=coat_fp8_keepw), torchao float8, and the ~1B shape.
 # Each side runs in its own process (honest peaks); one log under $OUT.
 #   OLD=.oldwt OUT=$OUT bash bench/fp8_linear_ab.sh      (torchao: its wheel in .whl_ao/)
 set -u
 OLD=${OLD:?set OLD to the older tree}
 ROUNDS=${ROUNDS:-2}
+EXTRA=${EXTRA:-}
 OUT=${OUT:-results/fp8_ab}
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
@@ -25,6 +27,7 @@ side "$R" 7b bf16
 for _ in $(seq "$ROUNDS"); do
     side "$R/$OLD" 7b coat_fp8
     side "$R" 7b coat_fp8
+    for s in $EXTRA; do side "$R" 7b "$s"; done
 done
 side "$R" 7b torchao
 side "$R" 1b bf16

@@ -12,7 +12,8 @@ quantize/transpose kernels against copy bandwidth.
 Sides: bf16 (torch AdamW fused), bf16_ckpt (+ full activation checkpointing), torchao
 (float8 tensorwise linears + torch AdamW), coat (CoatAdamW + compress_activations),
 coat_fp8 (coat + convert_to_fp8_linear; compiled, its casts are Inductor's from the torch twins),
-coat_fp8_triton (the same with our Triton quantize/transpose kernels as custom ops)."""
+coat_fp8_triton (the same with our Triton quantize/transpose kernels as custom ops),
+coat_fp8_keepw (coat_fp8 with keep_weight_codes: backward reads forward's FP8 weight)."""
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,7 @@ SHAPES = {
     "1b": dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=16, num_key_value_heads=16,
                num_hidden_layers=16, vocab_size=32000),
 }
-SIDES = ("bf16", "bf16_ckpt", "torchao", "coat", "coat_fp8", "coat_fp8_triton")
+SIDES = ("bf16", "bf16_ckpt", "torchao", "coat", "coat_fp8", "coat_fp8_triton", "coat_fp8_keepw")
 
 
 def _layers_filter(m, fqn: str) -> bool:
@@ -56,7 +57,8 @@ def _build(shape: str, side: str):
                                    module_filter_fn=lambda m, fqn: fqn != "lm_head")
     if side.startswith("coat_fp8"):
         backend = "triton" if side == "coat_fp8_triton" else "auto"
-        coat_ds.convert_to_fp8_linear(model, config=coat_ds.Fp8LinearConfig(backend=backend))
+        coat_ds.convert_to_fp8_linear(model, config=coat_ds.Fp8LinearConfig(
+            backend=backend, keep_weight_codes=side == "coat_fp8_keepw"))
     if side.startswith("coat"):
         coat_ds.compress_activations(model, module_filter_fn=_layers_filter)
         opt = coat_ds.CoatAdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
@@ -130,9 +132,10 @@ def _device_ms(fn, reps: int = 20) -> float:
 
 def bench_kernels() -> list[str]:
     """Quantize(+transpose) time against a same-size copy; GB/s counts each byte the
-    kernels must move once (read x, write the codes): the amax pass reads x a second time."""
+    kernels must move once (read x, write the codes): the amax pass reads x a second time,
+    a held exponent guess (a weight's path) does not."""
     from coat_ds.kernels import reference
-    from coat_ds.kernels.fp8_linear import linear_quantize
+    from coat_ds.kernels.fp8_linear import linear_quantize, new_guess
 
     rows = ["| tensor | layouts | ours us | GB/s (unique bytes) | copy us | copy GB/s | ours/copy bandwidth | torch twin eager us |",
             "|---|---|---|---|---|---|---|---|"]
@@ -142,8 +145,11 @@ def bench_kernels() -> list[str]:
         x = torch.randn(shape, device="cuda", dtype=dtype)
         copy_ms = _device_ms(lambda: x.clone())
         copy_bw = 2 * x.numel() * x.element_size() / copy_ms / 1e6
-        for rowwise, transposed, label in ((True, False, "row"), (False, True, "transposed"), (True, True, "both")):
-            ms = _device_ms(lambda: linear_quantize(x, "e4m3", rowwise, transposed))
+        # "guessed": a weight's path, starting from the exponent it had last time (it holds).
+        held = new_guess(reference.linear_quantize(x, "e4m3")[2])
+        for rowwise, transposed, label, guess in ((True, False, "row", None), (False, True, "transposed", None),
+                                                  (True, True, "both", None), (True, True, "both, guessed", held)):
+            ms = _device_ms(lambda: linear_quantize(x, "e4m3", rowwise, transposed, guess=guess))
             twin = _device_ms(lambda: reference.linear_quantize(x, "e4m3", rowwise, transposed), 5)
             moved = x.numel() * (x.element_size() + rowwise + transposed)
             bw = moved / ms / 1e6
@@ -175,7 +181,7 @@ def _table(results: list[dict]) -> list[str]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=list(SHAPES), nargs="*", default=[])
-    ap.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES[:-1]))
+    ap.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES[:5]))
     ap.add_argument("--side", choices=SIDES, help="run this one side in this process and print its JSON")
     ap.add_argument("--bs", type=int, default=8)
     ap.add_argument("--seq", type=int, default=2048)

@@ -107,6 +107,7 @@ class Fp8LinearConfig:
     fp8_gemm: str = "auto"  # "on"/"off" FP8 GEMMs, or "auto": where the device has them (CUDA 8.9+, CPU)
     fast_accum: bool = True  # forward GEMM accumulates in the tensor cores' fast mode (gradients never do)
     backend: str = "auto"  # "triton" kernels, "torch" twins, or "auto": Triton on CUDA, twins when compiling or on CPU
+    keep_weight_codes: bool = False  # keep forward's FP8 weight for backward (1 byte per weight element held per layer) instead of casting it again
 
     def __post_init__(self):
         for name in ("input_format", "weight_format", "grad_format"):
@@ -118,7 +119,8 @@ class Fp8LinearConfig:
                 raise ValueError(f"{a} and {b} cannot both be 'e5m2' (they meet in one FP8 GEMM)")
         if self.fp8_gemm not in _FP8_GEMM:
             raise ValueError(f"fp8_gemm must be one of {_FP8_GEMM}, got {self.fp8_gemm!r}")
-        if not isinstance(self.fast_accum, bool):
-            raise ValueError(f"fast_accum must be a bool, got {self.fast_accum!r}")
+        for name in ("fast_accum", "keep_weight_codes"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {self.backend!r}")

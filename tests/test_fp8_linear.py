@@ -62,6 +62,7 @@ PATHS = {
     "fp8_triton_interpreted": dict(fp8_gemm="on", backend="triton"),
     "no_fp8_gemm": dict(fp8_gemm="off", backend="torch"),
     "grad_e4m3": dict(fp8_gemm="on", backend="torch", grad_format="e4m3"),
+    "keep_weight_codes": dict(fp8_gemm="on", backend="torch", keep_weight_codes=True),
 }
 
 
@@ -136,6 +137,55 @@ def test_triton_kernel_matches_twin():
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[2].item() == e.item()
 
 
+def _check_guessed_exponent(device):
+    from coat_ds.kernels.fp8_linear import linear_quantize, new_guess
+
+    torch.manual_seed(15)
+    for shape, dtype in (((37, 96), torch.bfloat16), ((64, 130), torch.float32)):
+        x = (torch.randn(shape, device=device) * 5).to(dtype)
+        x[0, 0] = float("-inf")
+        for fmt in ("e4m3", "e5m2"):
+            want = reference.linear_quantize(x, fmt, True, True)
+            for miss in (0, 3, -2):  # the guess holds, is too large, too small
+                state = new_guess(want[2] + miss)
+                got = linear_quantize(x, fmt, True, True, guess=state)
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (shape, fmt, miss)
+                assert got[2].item() == want[2].item() == state[0].item(), (shape, fmt, miss)
+    zeros = torch.zeros(20, 32, device=device)
+    want = reference.linear_quantize(zeros, "e4m3", True, True)
+    got = linear_quantize(zeros, "e4m3", True, True, guess=new_guess(want[2] + 5))
+    assert not got[0].any() and not got[1].any() and got[2].item() == want[2].item()
+
+
+def test_weight_quantize_from_a_guessed_exponent():
+    """Given the exponent a weight had last time, the kernels write codes with it and again
+    only where its max says otherwise: the result is always that of the current tensor's max
+    (the guess right, too large or too small; an infinity; an all-zero tensor)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+    _check_guessed_exponent("cpu")
+
+
+def test_weight_guess_follows_a_changing_weight():
+    """Through the op, a weight quantized step after step, its scale moving (x8, /64) and
+    its storage rewritten in place: the codes and exponent equal the twin's every time."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+    from coat_ds.kernels import linear_ops
+
+    quantize = linear_ops.get_linear_ops(torch.device("cpu"), "triton", opaque=True)
+    torch.manual_seed(16)
+    w = torch.randn(48, 96)
+    for step, scale in enumerate((1.0, 1.0, 8.0, 8.0, 1 / 64, 1.0)):
+        with torch.no_grad():
+            w.copy_(torch.randn(48, 96) * scale)
+        got = quantize(w, "e4m3", True, True, weight=True)
+        want = reference.linear_quantize(w, "e4m3", True, True)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), step
+        assert got[2].item() == want[2].item(), step
+    assert any(k[0] == w.data_ptr() for k in linear_ops._GUESSES)
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_backward_reuses_the_weight_exponent(monkeypatch, backend):
     """Backward quantizes the weight again with forward's exponent: one max pass per tensor
@@ -149,9 +199,9 @@ def test_backward_reuses_the_weight_exponent(monkeypatch, backend):
     calls = []
     real_ref, real_launch = reference.linear_finite_absmax, fp8_linear.launch
 
-    def counting_ref(x):
+    def counting_ref(x, split=0):
         calls.append(tuple(x.shape))
-        return real_ref(x)
+        return real_ref(x, split)
 
     def counting_launch(fn, *a, **k):
         if fn is fp8_linear._finite_absmax_kernel:
@@ -168,6 +218,70 @@ def test_backward_reuses_the_weight_exponent(monkeypatch, backend):
     e_w = reference.linear_quantize(m.weight.detach(), "e4m3")[2]
     assert torch.equal(reference.linear_quantize(m.weight.detach(), "e4m3", False, True, exp=e_w)[1], wq_t_fresh)
     assert torch.isfinite(dx).all() and torch.isfinite(dw).all()
+
+
+def test_split_max_is_the_max():
+    """The output gradient's max reduced in runs of 16 is the same max: finite values only,
+    an infinity or NaN anywhere ignored, zeros giving zero, and sizes that do not divide."""
+    torch.manual_seed(11)
+    for shape in ((37, 48), (64, 96), (3, 5)):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(shape, dtype=dtype) * 7
+            x.view(-1)[3] = float("inf")
+            x.view(-1)[-2] = float("nan")
+            want = reference.linear_finite_absmax(x)
+            assert want > 0 and torch.isfinite(want)
+            assert torch.equal(reference.linear_finite_absmax(x, 16), want), (shape, dtype)
+            z = torch.zeros(shape, dtype=dtype)
+            assert reference.linear_finite_absmax(z, 16) == 0
+            assert torch.equal(reference.linear_quantize(x, "e5m2", True, True, split=16)[0],
+                               reference.linear_quantize(x, "e5m2", True, True)[0])
+
+
+def test_keep_weight_codes_holds_fp8_not_the_weight():
+    """keep_weight_codes: backward reads forward's transposed FP8 weight, so the gradients are
+    those of casting it again, and what the layer saves is that 1-byte copy, not the weight."""
+    _, base = _pair(config=Fp8LinearConfig(fp8_gemm="on", backend="torch"))
+    _, kept = _pair(config=Fp8LinearConfig(fp8_gemm="on", backend="torch", keep_weight_codes=True))
+    torch.manual_seed(12)
+    x, g = torch.randn(B, S, K), torch.randn(B, S, N)
+    for a, b in zip(_run(base, x, g, autocast=True), _run(kept, x, g, autocast=True)):
+        assert torch.equal(a, b)
+    saved = _saved_by(kept, x)
+    assert not any(t is kept.weight for t in saved)
+    codes = [t for t in saved if t.dtype == torch.uint8 and t.shape[0] == K]
+    # The input's transposed copy (K, M padded) and the weight's (K, N): one byte each.
+    assert sorted(tuple(t.shape) for t in codes) == [(K, N), (K, 80)], [t.shape for t in codes]
+    assert any(t is base.weight for t in _saved_by(base, x))
+
+
+def test_keep_weight_codes_compiled_backward_reads_no_weight():
+    """Compiled, AOTAutograd would recompute a twin's cast of a parameter in backward rather
+    than save it; the kept copy comes from a custom op, so backward takes no weight at all."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    def backward_inputs(keep):
+        torch._dynamo.reset()
+        torch.manual_seed(13)
+        m = _AttnMlp()
+        convert_to_fp8_linear(m, config=Fp8LinearConfig(fp8_gemm="on", keep_weight_codes=keep))
+        x = torch.randn(4, 32, 64, requires_grad=True)
+
+        def step(x):
+            with torch.autocast("cpu", torch.bfloat16):
+                y = torch.compile(m)(x)
+            y.float().sum().backward()
+            return x.grad
+
+        dx, code = run_and_get_code(step, x)
+        return dx, re.findall(r"primals_\d+", next(l for l in code[1].splitlines() if "= args" in l))
+
+    dx_keep, keep_inputs = backward_inputs(True)
+    dx_base, base_inputs = backward_inputs(False)
+    assert keep_inputs == [] and len(base_inputs) == 6, (keep_inputs, base_inputs)
+    assert sqnr_db(dx_base, dx_keep) > 40
 
 
 def test_state_dict_both_ways():
@@ -364,6 +478,11 @@ def test_cuda_matches_nn_linear(backend):
     y0, dx0, dw0, _ = _run(ref, x, g)
     y, dx, dw, _ = _run(m, x, g, autocast=True)
     assert sqnr_db(y0, y) > FWD_DB and sqnr_db(dx0, dx) > DX_DB and sqnr_db(dw0, dw) > DW_DB
+
+
+@pytest.mark.gpu
+def test_cuda_weight_quantize_from_a_guessed_exponent():
+    _check_guessed_exponent("cuda")
 
 
 @pytest.mark.gpu

@@ -9,6 +9,13 @@ tensor's max first: a first kernel folds each block's max of finite |x| into one
 with `atomic_max` (non-negative float bits order like the floats), and the quantizer reads
 it back from device memory: two launches and a memset, no host sync. Non-finite values do
 not set the scale (a -inf would make every finite value encode to 0); they saturate.
+
+A weight changes little from one step to the next, and its scale, a power of two, rarely.
+Given a guess of the exponent (the one its last quantization found), one pass writes the
+codes with it and folds the tile maxima as the max pass would; a second launch reads that
+max, and only where the exponent it gives differs from the guess do its programs write
+the codes again with it. The codes are always those of the current tensor's own scale;
+the weight is read once, not twice, whenever the guess holds.
 """
 from __future__ import annotations
 
@@ -20,7 +27,7 @@ from .act_launch import launch
 from .codec import encode_fp8, pow2, scale_exponent
 from .fp8 import GEMM_ALIGN, get_format, kernel_isa
 
-__all__ = ["linear_quantize"]
+__all__ = ["linear_quantize", "new_guess"]
 
 _ABSMAX_BLOCK = 4096
 # A 64 x 128 tile: 16-byte loads of BF16 along K, and a transposed store whose rows are 64
@@ -40,9 +47,15 @@ def _finite_absmax_kernel(x_ptr, amax_bits_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _exponent_of_max(bits, FMT: tl.constexpr):
+    return tl.minimum(tl.maximum(scale_exponent(bits.to(tl.float32, bitcast=True), FMT), -126), 126)
+
+
+@triton.jit
 def _quantize_t_kernel(x_ptr, src_ptr, exp_ptr, codes_ptr, codes_t_ptr, M, K, MP, n_k,
                        FMT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, ROW: tl.constexpr,
-                       TRANS: tl.constexpr, GIVEN_EXP: tl.constexpr, ISA: tl.constexpr):
+                       TRANS: tl.constexpr, GIVEN_EXP: tl.constexpr, ISA: tl.constexpr,
+                       GUESS: tl.constexpr, FIXUP: tl.constexpr):
     pid = tl.program_id(0)
     pm = pid // n_k
     pk = pid % n_k
@@ -50,31 +63,56 @@ def _quantize_t_kernel(x_ptr, src_ptr, exp_ptr, codes_ptr, codes_t_ptr, M, K, MP
     rk = pk * BK + tl.arange(0, BK)
     in_k = rk[None, :] < K
     mask = (rm[:, None] < M) & in_k
-    offs = rm[:, None].to(tl.int64) * K + rk[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    # src_ptr holds the exponent itself (GIVEN_EXP) or the max pass's float bits.
-    if GIVEN_EXP:
+    store_t = (rk[:, None] < K) & (rm[None, :] < MP)
+    # src_ptr holds the exponent itself (GIVEN_EXP), the max pass's float bits, or (GUESS,
+    # FIXUP) a guess state: [guessed exponent, max bits folded by the guess pass, exponent
+    # that pass used].
+    if FIXUP:
+        e = _exponent_of_max(tl.load(src_ptr + 1), FMT)
+        redo = e != tl.load(src_ptr + 2)
+        # Masked off, the guess held: nothing is read or written again. (A bound that is 0
+        # when it held, rather than `mask & redo`: Triton's interpreter rejects a mask
+        # broadcast from a scalar.)
+        rows = tl.where(redo, M, 0)
+        mask = mask & (rm[:, None] < rows)
+        store_t = store_t & (rm[None, :] < tl.where(redo, MP, 0))
+        if pid == 0:
+            if redo:
+                tl.store(exp_ptr, e)
+                tl.store(src_ptr, e)
+    elif GIVEN_EXP or GUESS:
         e = tl.load(src_ptr)
     else:
-        e = tl.minimum(tl.maximum(scale_exponent(tl.load(src_ptr).to(tl.float32, bitcast=True), FMT), -126), 126)
-    if pid == 0:
-        tl.store(exp_ptr, e)
+        e = _exponent_of_max(tl.load(src_ptr), FMT)
+    offs = rm[:, None].to(tl.int64) * K + rk[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if GUESS:
+        a = tl.abs(x)
+        a = tl.where(a < float("inf"), a, 0.0)
+        tl.atomic_max(src_ptr + 1, tl.max(tl.max(a, axis=1), axis=0).to(tl.int32, bitcast=True))
+        if pid == 0:
+            tl.store(src_ptr + 2, e)
+    if not FIXUP:
+        if pid == 0:
+            tl.store(exp_ptr, e)
     codes = encode_fp8(x * pow2(-e), FMT, ISA)
     if ROW:
         tl.store(codes_ptr + offs, codes, mask=mask)
     if TRANS:
         # Rows M..MP-1 were loaded as 0: they become the zero padding columns.
         offs_t = rk[:, None].to(tl.int64) * MP + rm[None, :]
-        tl.store(codes_t_ptr + offs_t, tl.trans(codes), mask=(rk[:, None] < K) & (rm[None, :] < MP))
+        tl.store(codes_t_ptr + offs_t, tl.trans(codes), mask=store_t)
 
 
 def linear_quantize(x: torch.Tensor, fmt="e4m3", rowwise: bool = True, transposed: bool = False,
-                    pad: int = GEMM_ALIGN, exp: torch.Tensor | None = None
+                    pad: int = GEMM_ALIGN, exp: torch.Tensor | None = None, guess: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """Per-tensor FP8 of a contiguous 2-D (M, K) `x`: (codes (M, K) or None, transposed
     codes (K, M padded to a multiple of `pad`) or None, int32 exponent of shape ()), codes
     uint8 with x ~ q * 2**e; with `exp` (int32, one element, on x's device) that exponent is
-    used and the max pass is skipped. See reference.linear_quantize."""
+    used and the max pass is skipped. With `guess` (`new_guess`'s state, on x's device) the
+    codes are written with its exponent and written again only where the max says otherwise;
+    the state then holds the exponent found. See reference.linear_quantize."""
     if x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"linear_quantize takes a contiguous 2-D tensor, got shape {tuple(x.shape)}")
     isa = kernel_isa(x.device)
@@ -86,6 +124,9 @@ def linear_quantize(x: torch.Tensor, fmt="e4m3", rowwise: bool = True, transpose
     given = exp is not None
     if given:
         src = exp.to(device=dev, dtype=torch.int32).reshape(1)
+    elif guess is not None:
+        src = guess
+        guess[1].zero_()
     else:
         src = torch.zeros(1, dtype=torch.int32, device=dev)
         if m * k:
@@ -100,6 +141,18 @@ def linear_quantize(x: torch.Tensor, fmt="e4m3", rowwise: bool = True, transpose
     # Absent outputs get a valid pointer; the constexpr flags keep the kernel off them.
     out = codes if codes is not None else src
     out_t = codes_t if codes_t is not None else src
-    launch(_quantize_t_kernel, n_prog, (x, src, exp, out, out_t, m, k, mp, n_k),
-           (get_format(fmt).id, _BM, _BK, rowwise, transposed, given, isa), _NUM_WARPS)
+    consts = (get_format(fmt).id, _BM, _BK, rowwise, transposed, given, isa)
+    guessing = guess is not None and not given
+    launch(_quantize_t_kernel, n_prog, (x, src, exp, out, out_t, m, k, mp, n_k), consts + (guessing, False),
+           _NUM_WARPS)
+    if guessing:
+        launch(_quantize_t_kernel, n_prog, (x, src, exp, out, out_t, m, k, mp, n_k), consts + (False, True),
+               _NUM_WARPS)
     return codes, codes_t, exp
+
+
+def new_guess(exp: torch.Tensor) -> torch.Tensor:
+    """A guess state for `linear_quantize` whose guess is `exp` (int32, one element)."""
+    state = torch.zeros(3, dtype=torch.int32, device=exp.device)
+    state[0] = exp.reshape(())
+    return state

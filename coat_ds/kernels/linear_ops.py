@@ -23,14 +23,35 @@ def _split(codes, codes_t, e, rowwise: bool, transposed: bool):
     return (codes if rowwise else empty), (codes_t if transposed else empty), e
 
 
+# Exponent guesses for weights (fp8_linear.linear_quantize's `guess`), by what identifies a
+# weight between steps. A stale or mistaken entry costs only the second write of the codes.
+_GUESSES: dict[tuple, torch.Tensor] = {}
+_MAX_GUESSES = 4096
+
+
+def _triton_quantize(x, fmt, rowwise, transposed, exp, weight):
+    from .fp8_linear import linear_quantize, new_guess
+
+    x = x.contiguous()
+    if not weight or exp is not None:
+        return linear_quantize(x, fmt, rowwise, transposed, GEMM_ALIGN, exp)
+    key = (x.data_ptr(), tuple(x.shape), x.dtype, fmt)
+    state = _GUESSES.get(key)
+    out = linear_quantize(x, fmt, rowwise, transposed, GEMM_ALIGN, guess=state)
+    if state is None:
+        if len(_GUESSES) >= _MAX_GUESSES:
+            _GUESSES.clear()
+        _GUESSES[key] = new_guess(out[2])
+    return out
+
+
 @torch.library.custom_op("coat_ds::fp8_linear_quantize", mutates_args=())
 def _quantize_op(x: torch.Tensor, fmt_id: int, rowwise: bool, transposed: bool,
-                 exp: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 exp: torch.Tensor | None = None, twin: bool = False,
+                 weight: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     fmt = _FORMATS[fmt_id]
-    if triton_usable(x.device):
-        from .fp8_linear import linear_quantize
-
-        out = linear_quantize(x.contiguous(), fmt, rowwise, transposed, GEMM_ALIGN, exp)
+    if not twin and triton_usable(x.device):
+        out = _triton_quantize(x, fmt, rowwise, transposed, exp, weight)
     else:
         out = reference.linear_quantize(x, fmt, rowwise, transposed, GEMM_ALIGN, exp)
         if exp is not None:
@@ -39,7 +60,7 @@ def _quantize_op(x: torch.Tensor, fmt_id: int, rowwise: bool, transposed: bool,
 
 
 @_quantize_op.register_fake
-def _(x, fmt_id, rowwise, transposed, exp=None):
+def _(x, fmt_id, rowwise, transposed, exp=None, twin=False, weight=False):
     m, k = x.shape
     mp = -(-m // GEMM_ALIGN) * GEMM_ALIGN
     codes = x.new_empty((m, k) if rowwise else (0,), dtype=torch.uint8)
@@ -47,13 +68,18 @@ def _(x, fmt_id, rowwise, transposed, exp=None):
     return codes, codes_t, x.new_empty((), dtype=torch.int32)
 
 
-def _custom_quantize(x, fmt, rowwise, transposed, exp=None):
-    codes, codes_t, e = _quantize_op(x, get_format(fmt).id, rowwise, transposed, exp)
+def _custom_quantize(x, fmt, rowwise, transposed, exp=None, split=0, twin=False, weight=False):
+    # `split` shapes the twin's max reduction for Inductor; the Triton kernel has its own blocks.
+    codes, codes_t, e = _quantize_op(x, get_format(fmt).id, rowwise, transposed, exp, twin, weight)
     return (codes if rowwise else None), (codes_t if transposed else None), e
 
 
-def _torch_quantize(x, fmt, rowwise, transposed, exp=None):
-    codes, codes_t, e = reference.linear_quantize(x, fmt, rowwise, transposed, GEMM_ALIGN, exp)
+def _opaque_twin(x, fmt, rowwise, transposed, exp=None, split=0, weight=False):
+    return _custom_quantize(x, fmt, rowwise, transposed, exp, split, twin=True)
+
+
+def _torch_quantize(x, fmt, rowwise, transposed, exp=None, split=0):
+    codes, codes_t, e = reference.linear_quantize(x, fmt, rowwise, transposed, GEMM_ALIGN, exp, split)
     if torch.compiler.is_compiling():
         codes, codes_t = _one_buffer(codes), _one_buffer(codes_t)
     return codes, codes_t, e
@@ -68,12 +94,20 @@ def _one_buffer(codes):
     return torch.ops.prims.inductor_force_stride_order.default(codes, codes.stride())
 
 
-def get_linear_ops(device: torch.device, backend: str = "auto"):
-    """`quantize(x2d, fmt, rowwise, transposed, exp=None) -> (codes | None, codes_t | None,
-    exp)` for tensors on `device` (`exp`: use this exponent instead of reading the max):
+def get_linear_ops(device: torch.device, backend: str = "auto", opaque: bool = False):
+    """`quantize(x2d, fmt, rowwise, transposed, exp=None, split=0) -> (codes | None, codes_t |
+    None, exp)` for tensors on `device` (`exp`: use this exponent instead of reading the max;
+    `split`: reference.linear_finite_absmax's, for the twin):
     "triton" (the custom op over the Triton kernels), "torch" (the twin)
     or "auto": the twin while torch.compile traces (Inductor then fuses the casts into their
-    producers) and on CPU, the Triton op on CUDA."""
+    producers) and on CPU, the Triton op on CUDA.
+
+    `opaque`: always a custom op (the twin inside it where the backend says so), whose
+    quantize also takes `weight=True`: the Triton kernels then start from the exponent this
+    tensor had last time (fp8_linear.py). What the op returns is saved for backward by
+    torch.compile rather than recomputed there, as AOTAutograd recomputes only ops it knows."""
+    if opaque:
+        return _custom_quantize if use_triton(device, backend, "Fp8LinearConfig.backend") else _opaque_twin
     if backend == "auto" and torch.compiler.is_compiling():
         return _torch_quantize
     return _custom_quantize if use_triton(device, backend, "Fp8LinearConfig.backend") else _torch_quantize

@@ -301,14 +301,20 @@ def act_dequantize_rows(codes: torch.Tensor, exps: torch.Tensor, group_size: int
 # ---- FP8 linear layers: twins of kernels/fp8_linear.py (owned by the FP8-linear code) ------
 
 
-def linear_finite_absmax(x: torch.Tensor) -> torch.Tensor:
+def linear_finite_absmax(x: torch.Tensor, split: int = 0) -> torch.Tensor:
     """max |x| over the finite elements of `x` (float32, shape ()); 0 when none is finite.
 
     A -inf in a masked input must not make the scale infinite: every finite value would
-    then encode to 0."""
+    then encode to 0. With `split` (dividing x.numel()), the max is taken over runs of
+    `split` consecutive elements first: the same value, but compiled, Inductor can compute
+    the runs' maxima in one kernel with other reductions of that shape over the same inputs."""
+    if not x.numel():
+        return x.new_zeros((), dtype=torch.float32)
     a = _exact_scaling_dtype(x).abs()
-    return torch.where(a < float("inf"), a, 0.0).amax().to(torch.float32) if x.numel() else \
-        a.new_zeros((), dtype=torch.float32)
+    a = torch.where(a < float("inf"), a, 0.0)
+    if split and x.numel() % split == 0:
+        a = a.reshape(-1, split).amax(-1)
+    return a.amax().to(torch.float32)
 
 
 def _exact_scaling_dtype(x: torch.Tensor) -> torch.Tensor:
@@ -320,7 +326,7 @@ def _exact_scaling_dtype(x: torch.Tensor) -> torch.Tensor:
 
 
 def linear_quantize(x: torch.Tensor, fmt="e4m3", rowwise: bool = True, transposed: bool = False,
-                    pad: int = 16, exp: torch.Tensor | None = None
+                    pad: int = 16, exp: torch.Tensor | None = None, split: int = 0
                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """Per-tensor FP8 of a 2-D (M, K) `x` with a power-of-two scale 2**e from its finite max,
     or with the given int32 exponent `exp` (the max is then not read: a weight quantized
@@ -328,9 +334,10 @@ def linear_quantize(x: torch.Tensor, fmt="e4m3", rowwise: bool = True, transpose
 
     Returns (codes (M, K) or None, transposed codes (K, M padded with zero columns to a
     multiple of `pad`) or None, int32 exponent e of shape ()); codes are uint8, x ~ q * 2**e.
-    The transposed copy is what a GEMM that contracts over M (the weight gradient) reads."""
+    The transposed copy is what a GEMM that contracts over M (the weight gradient) reads.
+    `split`: how the max is reduced (linear_finite_absmax); it does not change the result."""
     fmt = get_format(fmt)
-    e = act_scale_exponent(linear_finite_absmax(x), fmt) if exp is None else exp.to(torch.int32).reshape(())
+    e = act_scale_exponent(linear_finite_absmax(x, split), fmt) if exp is None else exp.to(torch.int32).reshape(())
     # A saturating cast (clamp, then torch's RNE cast) equals encode_fp8 on every non-NaN
     # value, and compiles to one Inductor kernel without encode_fp8's integer sign fix-up.
     codes = (_exact_scaling_dtype(x) * pow2(-e)).clamp(-fmt.max, fmt.max).to(fmt.dtype).view(torch.uint8)

@@ -6,7 +6,9 @@ the transposed codes and their scale are saved; no high-precision copy of the in
 kept, and layers reading the same input share one copy (shared_input.py). The weight is
 saved as the Parameter it is (alive anyway; FSDP2 and ZeRO-3 gather it again for backward)
 and quantized again there, straight into the transposed layout the input-gradient GEMM
-reads, with the exponent kept from forward: one pass, no second max.
+reads, with the exponent kept from forward: one pass, no second max. With
+keep_weight_codes, forward writes that transposed copy beside its own in the same pass and
+backward reads it: a weight read less per step for 1 byte per weight element held.
 
 Where the device has no FP8 GEMMs, forward computes in the input's precision from the
 input itself and backward's weight gradient from the dequantized FP8 copy: the memory
@@ -23,6 +25,19 @@ from . import shared_input
 __all__ = ["fp8_linear"]
 
 _pow2 = reference.pow2
+# Maxima reduced in runs of this many elements (reference.linear_finite_absmax): the
+# activation codec's group size, so Inductor can put them in one kernel with its group maxima.
+_MAX_SPLIT = 16
+
+
+def _input_max_split(weight: torch.Tensor) -> int:
+    """How forward reduces the input's max. An input wider than the output is an MLP's
+    intermediate (SwiGLU's silu(gate) * up): a pointwise function of GEMM outputs that
+    compress_activations also quantizes per group, and split, its max joins those group
+    maxima in one read of the GEMM outputs (-0.19 ms per 7B layer on an H100). Other inputs
+    come from a norm, whose row reduction Inductor fuses the unsplit max into and a split
+    max would leave (+0.1-0.15 ms per norm)."""
+    return _MAX_SPLIT if weight.shape[1] > weight.shape[0] else 0
 
 
 def _mm(a, a_fmt, ea, b_t, b_fmt, eb, out_dtype, bias=None, fast_accum=False, out=None):
@@ -35,7 +50,7 @@ def _mm(a, a_fmt, ea, b_t, b_fmt, eb, out_dtype, bias=None, fast_accum=False, ou
 
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_nd, weight, bias, out_dtype, fp8_gemm, fmts, fast_accum, backend):
+    def forward(ctx, x_nd, weight, bias, out_dtype, fp8_gemm, fmts, fast_accum, backend, keep_w):
         x = x_nd.reshape(-1, x_nd.shape[-1])
         if not x.is_contiguous():
             x = x.contiguous()
@@ -45,13 +60,18 @@ class _Fp8LinearFunction(torch.autograd.Function):
         recipe = (f_in.name, fp8_gemm, backend)
         shared = shared_input.lookup(x_nd, recipe) if eager else None
         if shared is None:
-            shared = quantize(x, f_in, fp8_gemm, True)
+            shared = quantize(x, f_in, fp8_gemm, True, split=_input_max_split(weight))
             if eager:
                 shared_input.remember(x_nd, recipe, shared)
         xq, xq_t, ex = shared
-        ew = None
+        ew = wq_t = None
+        keep_w = keep_w and fp8_gemm
         if fp8_gemm:
-            wq, _, ew = quantize(weight, f_w, True, False)
+            # Weights through the custom op even when compiling: Inductor has no producer to
+            # fuse a parameter's cast into; our kernels start from the exponent the weight had
+            # last step (one read of it where a max pass would take two), and, compiled,
+            # AOTAutograd would recompute a kept copy from the weight rather than save it.
+            wq, wq_t, ew = get_linear_ops(x.device, backend, opaque=True)(weight, f_w, True, keep_w, weight=True)
             # cuBLASLt takes a bias only with a 16-bit output; an FP32 one is added after.
             fused_bias = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
             b = bias.to(out_dtype) if fused_bias else None
@@ -70,7 +90,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
         else:
             y = torch.nn.functional.linear(x_nd.to(out_dtype), weight.to(out_dtype),
                                            None if bias is None else bias.to(out_dtype))
-        ctx.save_for_backward(xq_t, ex, weight, ew)
+        ctx.save_for_backward(xq_t, ex, wq_t if keep_w else weight, ew)
+        ctx.keep_w, ctx.w_dtype = keep_w, weight.dtype
         ctx.fmts, ctx.fp8_gemm, ctx.backend = (f_in, f_w, f_g), fp8_gemm, backend
         ctx.m, ctx.x_dtype, ctx.x_shape, ctx.has_bias = x.shape[0], x.dtype, x_nd.shape, bias is not None
         ctx.out_dtype = out_dtype
@@ -81,7 +102,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
     def backward(ctx, gy):
         if not torch.compiler.is_compiling():  # Dynamo traces this backward too
             shared_input.clear()
-        xq_t, ex, weight, ew = ctx.saved_tensors
+        xq_t, ex, weight_or_codes, ew = ctx.saved_tensors
         f_in, f_w, f_g = ctx.fmts
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         gy = gy.reshape(-1, gy.shape[-1])
@@ -90,32 +111,39 @@ class _Fp8LinearFunction(torch.autograd.Function):
         dx = dw = db = None
         if ctx.fp8_gemm and (need_dx or need_dw):
             quantize = get_linear_ops(gy.device, ctx.backend)
-            gq, gq_t, eg = quantize(gy, f_g, need_dx, need_dw)
+            # Split, the maxima of sibling output gradients (gate's and up's, from one
+            # SiLU-mul backward) are computed in one kernel that recomputes their producer;
+            # unsplit, Inductor had the producer write both in BF16 for two max kernels to
+            # read (-0.46 ms per 7B layer on an H100; docs/benchmarks.md).
+            gq, gq_t, eg = quantize(gy, f_g, need_dx, need_dw, split=_MAX_SPLIT)
             if need_dx:
                 # The forward scale, so no max pass over the weight again: the weight has
                 # not changed, and the codes equal forward's.
-                _, wq_t, _ = quantize(weight, f_w, False, True, ew)
+                wq_t = weight_or_codes if ctx.keep_w else \
+                    get_linear_ops(gy.device, ctx.backend, opaque=True)(weight_or_codes, f_w, False, True, ew)[1]
                 # In the compute dtype, then cast, as nn.Linear under autocast does: an FP32
                 # input (an FP32 RMSNorm's output) would otherwise get an FP32 GEMM output,
                 # twice the bytes written and read again by the next kernel.
                 dx = _mm(gq, f_g, eg, wq_t, f_w, ew, ctx.out_dtype).to(ctx.x_dtype)
             if need_dw:
                 # Both transposed copies carry the same zero padding of the token dim.
-                dw = _mm(gq_t, f_g, eg, xq_t, f_in, ex, weight.dtype)
+                dw = _mm(gq_t, f_g, eg, xq_t, f_in, ex, ctx.w_dtype)
         elif need_dx or need_dw:
             if need_dx:
-                dx = (gy @ weight.to(gy.dtype)).to(ctx.x_dtype)
+                dx = (gy @ weight_or_codes.to(gy.dtype)).to(ctx.x_dtype)
             if need_dw:
                 x_hat = reference.act_dequantize_tensor(xq_t[:, :ctx.m], ex, f_in, gy.dtype)
-                dw = (gy.t() @ x_hat.t()).to(weight.dtype)
+                dw = (gy.t() @ x_hat.t()).to(ctx.w_dtype)
         if dx is not None:
             dx = dx.view(ctx.x_shape)
         if need_db and ctx.has_bias:
             db = gy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
-               fp8_gemm: bool, fmts: tuple[str, str, str], fast_accum: bool, backend: str) -> torch.Tensor:
+               fp8_gemm: bool, fmts: tuple[str, str, str], fast_accum: bool, backend: str,
+               keep_weight_codes: bool = False) -> torch.Tensor:
     """y = x @ weight.t() + bias over x's last dim, as described above."""
-    return _Fp8LinearFunction.apply(x, weight, bias, out_dtype, fp8_gemm, fmts, fast_accum, backend)
+    return _Fp8LinearFunction.apply(x, weight, bias, out_dtype, fp8_gemm, fmts, fast_accum, backend,
+                                    keep_weight_codes)

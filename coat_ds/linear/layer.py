@@ -53,7 +53,8 @@ class Fp8Linear(nn.Linear):
         else:
             fp8_gemm = cfg.fp8_gemm == "on"
         return fp8_linear(input, self.weight, self.bias, out_dtype, fp8_gemm,
-                          (cfg.input_format, cfg.weight_format, cfg.grad_format), cfg.fast_accum, cfg.backend)
+                          (cfg.input_format, cfg.weight_format, cfg.grad_format), cfg.fast_accum, cfg.backend,
+                          cfg.keep_weight_codes)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8_config={self.fp8_config}"
