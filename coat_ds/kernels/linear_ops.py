@@ -78,7 +78,7 @@ def _opaque_twin(x, fmt, rowwise, transposed, exp=None, split=0, weight=False):
     return _custom_quantize(x, fmt, rowwise, transposed, exp, split, twin=True)
 
 
-def _torch_quantize(x, fmt, rowwise, transposed, exp=None, split=0):
+def _torch_quantize(x, fmt, rowwise, transposed, exp=None, split=0, weight=False):
     codes, codes_t, e = reference.linear_quantize(x, fmt, rowwise, transposed, GEMM_ALIGN, exp, split)
     if torch.compiler.is_compiling():
         codes, codes_t = _one_buffer(codes), _one_buffer(codes_t)
@@ -95,17 +95,17 @@ def _one_buffer(codes):
 
 
 def get_linear_ops(device: torch.device, backend: str = "auto", opaque: bool = False):
-    """`quantize(x2d, fmt, rowwise, transposed, exp=None, split=0) -> (codes | None, codes_t |
-    None, exp)` for tensors on `device` (`exp`: use this exponent instead of reading the max;
-    `split`: reference.linear_finite_absmax's, for the twin):
+    """`quantize(x2d, fmt, rowwise, transposed, exp=None, split=0, weight=False) -> (codes |
+    None, codes_t | None, exp)` for tensors on `device` (`exp`: use this exponent instead of
+    reading the max; `split`: reference.linear_finite_absmax's, for the twin; `weight`: the
+    Triton kernels start from the exponent this tensor had last time, fp8_linear.py):
     "triton" (the custom op over the Triton kernels), "torch" (the twin)
     or "auto": the twin while torch.compile traces (Inductor then fuses the casts into their
     producers) and on CPU, the Triton op on CUDA.
 
-    `opaque`: always a custom op (the twin inside it where the backend says so), whose
-    quantize also takes `weight=True`: the Triton kernels then start from the exponent this
-    tensor had last time (fp8_linear.py). What the op returns is saved for backward by
-    torch.compile rather than recomputed there, as AOTAutograd recomputes only ops it knows."""
+    `opaque`: always a custom op (the twin inside it where the backend says so). What it
+    returns is then saved for backward by torch.compile rather than recomputed there, as
+    AOTAutograd recomputes only ops it knows."""
     if opaque:
         return _custom_quantize if use_triton(device, backend, "Fp8LinearConfig.backend") else _opaque_twin
     if backend == "auto" and torch.compiler.is_compiling():

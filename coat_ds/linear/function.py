@@ -67,11 +67,15 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ew = wq_t = None
         keep_w = keep_w and fp8_gemm
         if fp8_gemm:
-            # Weights through the custom op even when compiling: Inductor has no producer to
-            # fuse a parameter's cast into; our kernels start from the exponent the weight had
-            # last step (one read of it where a max pass would take two), and, compiled,
-            # AOTAutograd would recompute a kept copy from the weight rather than save it.
-            wq, wq_t, ew = get_linear_ops(x.device, backend, opaque=True)(weight, f_w, True, keep_w, weight=True)
+            # weight=True: our kernels start from the exponent the weight had last step (one
+            # read of it where a max pass takes two). A kept copy comes from the custom op
+            # even when compiling: AOTAutograd would recompute a twin's cast of a parameter
+            # in backward rather than save it. Otherwise, compiled, the twin's cast measured
+            # as fast at 7B shapes and faster at ~1B (benchmarks.md, 2026-11-24).
+            if keep_w:
+                wq, wq_t, ew = get_linear_ops(x.device, backend, opaque=True)(weight, f_w, True, True, weight=True)
+            else:
+                wq, _, ew = quantize(weight, f_w, True, False, weight=True)
             # cuBLASLt takes a bias only with a 16-bit output; an FP32 one is added after.
             fused_bias = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
             b = bias.to(out_dtype) if fused_bias else None
@@ -119,8 +123,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             if need_dx:
                 # The forward scale, so no max pass over the weight again: the weight has
                 # not changed, and the codes equal forward's.
-                wq_t = weight_or_codes if ctx.keep_w else \
-                    get_linear_ops(gy.device, ctx.backend, opaque=True)(weight_or_codes, f_w, False, True, ew)[1]
+                wq_t = weight_or_codes if ctx.keep_w else quantize(weight_or_codes, f_w, False, True, ew)[1]
                 # In the compute dtype, then cast, as nn.Linear under autocast does: an FP32
                 # input (an FP32 RMSNorm's output) would otherwise get an FP32 GEMM output,
                 # twice the bytes written and read again by the next kernel.
