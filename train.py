@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from coat_ds import compress_activations, convert_to_fp8_linear
+from coat_ds import Fp8LinearConfig, compress_activations, convert_to_fp8_linear
 from coat_ds.checkpoint import check_new_checkpoints
 from coat_ds.data import DataConfig, TokenData, batch_seed, load_data
 from coat_ds.engines import read_ds_settings, shutdown_distributed
@@ -225,7 +225,8 @@ def train(cfg: TrainConfig) -> None:
     say(f"data: {data.description}\nmodel: {cfg.preset}, {mcfg.num_params() / 1e6:.2f}M params", flush=True)
     # Hooks on the unsharded modules, before either engine wraps them; the handle counts bytes.
     if cfg.fp8_linear:
-        convert_to_fp8_linear(model)  # before the hooks and the engine: they see the converted modules
+        # Before the hooks and the engine: they see the converted modules.
+        convert_to_fp8_linear(model, config=Fp8LinearConfig(keep_weight_codes=cfg.fp8_keep_weight_codes))
     activations = compress_activations(model) if cfg.compress_activations else None
     if cfg.plan or cfg.memory_budget_gb:
         # Per block: keep, FP8-compress, FP8 linears or recompute; a budget is planned here, on rank 0.

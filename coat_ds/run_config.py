@@ -60,6 +60,7 @@ class TrainConfig:
     compress_activations: bool = False  # store saved activations in FP8 (coat_ds.compress_activations)
     compile: bool = False  # torch.compile each decoder block (FP8 activations then compiled into its graphs)
     fp8_linear: bool = False  # FP8 GEMMs in the blocks' linear layers (coat_ds.convert_to_fp8_linear; head kept)
+    fp8_keep_weight_codes: bool = False  # with fp8_linear: backward reads forward's FP8 weight (+1 byte per weight element held; under fsdp or ZeRO-3 every gathered layer's)
     plan: str = ""  # planner's JSON: per block keep / fp8 / fp8_linear / recompute (coat_ds.apply_plan; "": none)
     memory_budget_gb: float = 0.0  # search a plan at start that fits this many GB per rank (0: none)
 
@@ -86,6 +87,9 @@ class TrainConfig:
         boolean("compress_activations", self.compress_activations)
         boolean("compile", self.compile)
         boolean("fp8_linear", self.fp8_linear)
+        boolean("fp8_keep_weight_codes", self.fp8_keep_weight_codes)
+        if self.fp8_keep_weight_codes and not self.fp8_linear:
+            raise ConfigError("fp8_keep_weight_codes", True, "off unless fp8_linear is on (it is an option of its layers)")
         text("plan", self.plan)
         number("memory_budget_gb", self.memory_budget_gb, lo=0.0)
         if self.plan and self.memory_budget_gb:

@@ -451,6 +451,10 @@ def test_train_py_flag_and_yaml_key(tmp_path):
     y.write_text("fp8_linear: true\n")
     assert train.parse_config(["--config", str(y)]).fp8_linear is True
     assert train.parse_config(["--config", str(y), "--no-fp8-linear"]).fp8_linear is False
+    assert train.parse_config(["--fp8-linear", "--fp8-keep-weight-codes"]).fp8_keep_weight_codes is True
+    with pytest.raises(SystemExit) as bad:
+        train.parse_config(["--fp8-keep-weight-codes"])
+    assert "fp8_keep_weight_codes" in str(bad.value.code) and "fp8_linear" in str(bad.value.code)
 
 
 def test_zero_and_nonfinite_inputs():
