@@ -38,11 +38,16 @@ _NUM_WARPS = 4
 
 
 @triton.jit
+def _finite_abs(x):
+    a = tl.abs(x)
+    return tl.where(a < float("inf"), a, 0.0)  # NaN compares false too
+
+
+@triton.jit
 def _finite_absmax_kernel(x_ptr, amax_bits_ptr, n, BLOCK: tl.constexpr):
     base = tl.program_id(0).to(tl.int64) * BLOCK
     offs = tl.arange(0, BLOCK)
-    a = tl.abs(tl.load(x_ptr + base + offs, mask=offs < n - base, other=0.0).to(tl.float32))
-    a = tl.where(a < float("inf"), a, 0.0)  # NaN compares false too
+    a = _finite_abs(tl.load(x_ptr + base + offs, mask=offs < n - base, other=0.0).to(tl.float32))
     tl.atomic_max(amax_bits_ptr, tl.max(a, axis=0).to(tl.int32, bitcast=True))
 
 
@@ -87,8 +92,7 @@ def _quantize_t_kernel(x_ptr, src_ptr, exp_ptr, codes_ptr, codes_t_ptr, M, K, MP
     offs = rm[:, None].to(tl.int64) * K + rk[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if GUESS:
-        a = tl.abs(x)
-        a = tl.where(a < float("inf"), a, 0.0)
+        a = _finite_abs(x)
         tl.atomic_max(src_ptr + 1, tl.max(tl.max(a, axis=1), axis=0).to(tl.int32, bitcast=True))
         if pid == 0:
             tl.store(src_ptr + 2, e)

@@ -35,7 +35,7 @@ def _triton_quantize(x, fmt, rowwise, transposed, exp, weight):
     x = x.contiguous()
     if not weight or exp is not None:
         return linear_quantize(x, fmt, rowwise, transposed, GEMM_ALIGN, exp)
-    key = (x.data_ptr(), tuple(x.shape), x.dtype, fmt)
+    key = (x.device, x.data_ptr(), tuple(x.shape), x.dtype, fmt)
     state = _GUESSES.get(key)
     out = linear_quantize(x, fmt, rowwise, transposed, GEMM_ALIGN, guess=state)
     if state is None:
