@@ -5,6 +5,7 @@ import os
 import sys
 import tempfile
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -79,6 +80,7 @@ def _worker(rank: int, init_file: str):
     os._exit(0)
 
 
+@pytest.mark.slow
 def test_fsdp2_two_ranks_gloo():
     with tempfile.TemporaryDirectory() as d:
         init_file = os.path.join(d, "init")

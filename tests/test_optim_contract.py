@@ -288,6 +288,7 @@ def test_state_storage_swapped_in_place_is_what_the_kernel_writes(device):
             assert torch.equal(t, opt_b.state[q][key]), key
 
 
+@pytest.mark.slow
 def test_train_py_step_log_reports_skipped_groups(tmp_path):
     """A learning rate of 1e30 makes the second step's gradients non-finite: the step log
     line and the metrics name how many groups CoatAdamW skipped (summed over ranks)."""

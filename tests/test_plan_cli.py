@@ -56,6 +56,7 @@ def test_profile_plan_option_errors(capsys):
     assert ok.compile_budgets == (0.5, 0.0)
 
 
+@pytest.mark.slow
 def test_plan_bench_tiny_runs_every_side():
     out = run_in_repo([sys.executable, "bench/plan_bench.py", "--tiny", "--in-process", "--budgets", "0.6",
                        "--steps", "1"], 300).stdout

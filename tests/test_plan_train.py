@@ -17,6 +17,7 @@ _BASE = [sys.executable, "train.py", "--fsdp", "--config", "configs/tiny.yaml", 
          "--eval-batches", "1"]
 
 
+@pytest.mark.slow
 def test_train_py_memory_budget_plans_and_trains_two_steps():
     # tiny at micro-batch 8 x 64: all blocks kept peak near 9.4 MB, all FP8 near 4.6 MB.
     out = run_in_repo([*_BASE, "--max-steps", "2", "--memory-budget-gb", "0.007"], 300).stdout
@@ -53,6 +54,7 @@ def test_plan_flags_conflicts_named():
         parse_config(["--memory-budget-gb", "-1"])
 
 
+@pytest.mark.slow
 def test_plan_file_with_a_compile_budget_warns_without_compile(tmp_path):
     path = tmp_path / "plan.json"
     Plan((("blocks.0", "keep"), ("blocks.1", "fp8")), 8, 64, compile_memory_budget=0.5).save(str(path))

@@ -370,6 +370,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_deepspeed_zero3_engine_is_freed_on_close():
     # Each side runs in processes of its own, but within a side the search rebuilds the
     # engine after some out-of-memory errors: what the old engine leaves allocated is charged
@@ -398,3 +399,39 @@ def test_throughput_steps_that_run_out_of_memory_give_none(monkeypatch):
     assert fake.zero_grads == 1
     assert unless_oom(fake, lambda: _tokens_per_s(fake, 6, 8, 2, 1, 0, quiet), quiet) > 0
     assert fake.steps == 3  # warm-up and two timed steps
+
+
+def test_chart_is_skipped_with_a_line_without_matplotlib(plain, tmp_path, monkeypatch, capsys):
+    # matplotlib is the `plot` extra: without it the profile still writes its table and JSON.
+    from coat_ds.profile.report import write_chart
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    path = tmp_path / "profile.png"
+    assert write_chart(plain[0], str(path)) is False
+    assert not path.exists()
+    assert "matplotlib is not installed (pip install 'coat_ds[plot]')" in capsys.readouterr().out
+
+
+_WITHOUT_EXTRAS = """
+import sys
+sys.modules["deepspeed"] = None  # import deepspeed now raises ModuleNotFoundError
+sys.modules["matplotlib"] = None
+import torch
+import coat_ds
+
+model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
+coat_ds.compress_activations(model)
+opt = coat_ds.CoatAdamW(model.parameters(), lr=1e-3)
+model(torch.randn(4, 64)).square().mean().backward()
+opt.step()
+print("stepped")
+"""
+
+
+@pytest.mark.slow
+def test_library_imports_without_the_extras():
+    # An FSDP user installs neither DeepSpeed nor matplotlib (setup.cfg's extras): the public
+    # API imports and trains a step without them.
+    from helpers import run_in_repo
+
+    assert "stepped" in run_in_repo([sys.executable, "-c", _WITHOUT_EXTRAS], 300).stdout

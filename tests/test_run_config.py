@@ -187,6 +187,7 @@ def test_help_lists_each_flag_once_with_what_it_does_and_its_default(capsys):
         assert doc and f"{' '.join(doc.split())} (default: " in text, name
 
 
+@pytest.mark.slow
 def test_run_says_when_no_checkpoint_will_be_saved():
     common = ["train.py", "--fsdp", "--preset", "tiny", "--seq-len", "16", "--max-steps", "1", "--eval-batches", "1",
               "--max-data-bytes", "100000", "--deepspeed", "ds_configs/bf16_zero2.json"]

@@ -77,10 +77,15 @@ def chart_stacks(result: dict) -> list[tuple[str, list[float]]]:
     return stacks
 
 
-def write_chart(result: dict, path: str) -> None:
+def write_chart(result: dict, path: str) -> bool:
     """Stacked bars (rank 0): weights, gradients, optimizer states, engine buffers and
-    activations of each side at its own max micro-batch, each bar labelled with that batch."""
-    import matplotlib
+    activations of each side at its own max micro-batch, each bar labelled with that batch.
+    False, with a line saying so, where matplotlib (the `plot` extra) is not installed."""
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        print(f"{path} not written: matplotlib is not installed (pip install 'coat_ds[plot]')", flush=True)
+        return False
 
     matplotlib.use("Agg")  # files only: no display on training nodes
     import matplotlib.pyplot as plt
@@ -108,3 +113,4 @@ def write_chart(result: dict, path: str) -> None:
             fig.savefig(f, format="png", dpi=_DPI)
     finally:
         plt.close(fig)
+    return True

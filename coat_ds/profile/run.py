@@ -249,8 +249,8 @@ def _report(out: dict, directory: str) -> None:
     out["markdown"] = table
     write_json(out, os.path.join(directory, "profile.json"))
     write_markdown(table, os.path.join(directory, "profile.md"))
-    write_chart(out, os.path.join(directory, "profile.png"))
-    print(f"wrote {', '.join(os.path.join(directory, f'profile.{x}') for x in ('json', 'md', 'png'))}", flush=True)
+    kinds = ("json", "md", "png") if write_chart(out, os.path.join(directory, "profile.png")) else ("json", "md")
+    print(f"wrote {', '.join(os.path.join(directory, f'profile.{x}') for x in kinds)}", flush=True)
 
 
 def _side_command(opts: ProfileOptions, side: str, out: str) -> list[str]:
