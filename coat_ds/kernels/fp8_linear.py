@@ -26,6 +26,7 @@ import triton.language as tl
 from .act_launch import launch
 from .codec import encode_fp8, pow2, scale_exponent
 from .fp8 import GEMM_ALIGN, get_format, kernel_isa
+from .linear_ops import new_weight_guess
 
 __all__ = ["linear_quantize", "new_guess"]
 
@@ -157,6 +158,6 @@ def linear_quantize(x: torch.Tensor, fmt="e4m3", rowwise: bool = True, transpose
 
 def new_guess(exp: torch.Tensor) -> torch.Tensor:
     """A guess state for `linear_quantize` whose guess is `exp` (int32, one element)."""
-    state = torch.zeros(3, dtype=torch.int32, device=exp.device)
+    state = new_weight_guess(exp.device)
     state[0] = exp.reshape(())
     return state
