@@ -117,7 +117,7 @@ def linear_quantize(x: torch.Tensor, fmt="e4m3", rowwise: bool = True, transpose
     uint8 with x ~ q * 2**e; with `exp` (int32, one element, on x's device) that exponent is
     used and the max pass is skipped. With `guess` (`new_guess`'s state, on x's device) the
     codes are written with its exponent and written again only where the max says otherwise;
-    the state then holds the exponent found. See reference.linear_quantize."""
+    the state, updated in place, then holds the exponent found. See reference.linear_quantize."""
     if x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"linear_quantize takes a contiguous 2-D tensor, got shape {tuple(x.shape)}")
     isa = kernel_isa(x.device)
