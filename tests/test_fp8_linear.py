@@ -166,40 +166,55 @@ def test_weight_quantize_from_a_guessed_exponent():
     _check_guessed_exponent("cpu")
 
 
-def test_weight_guess_follows_a_changing_weight(monkeypatch):
+def test_weight_guess_follows_a_changing_weight():
     """Through the op, a weight quantized step after step, its scale moving (x8, /64) and
-    its storage rewritten in place: the codes and exponent equal the twin's every time."""
+    its storage rewritten in place: the codes and exponent equal the twin's every time, and
+    the guess state handed in holds the exponent found."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
     from coat_ds.kernels import linear_ops
 
-    monkeypatch.setattr(linear_ops, "_GUESSES", {})
     quantize = linear_ops.get_linear_ops(torch.device("cpu"), "triton", opaque=True)
+    guess = linear_ops.new_weight_guess(torch.device("cpu"))
     torch.manual_seed(16)
     w = torch.randn(48, 96)
     for step, scale in enumerate((1.0, 1.0, 8.0, 8.0, 1 / 64, 1.0)):
         with torch.no_grad():
             w.copy_(torch.randn(48, 96) * scale)
-        got = quantize(w, "e4m3", True, True, weight=True)
+        got = quantize(w, "e4m3", True, True, guess=guess)
         want = reference.linear_quantize(w, "e4m3", True, True)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), step
-        assert got[2].item() == want[2].item(), step
-    assert any(k[1] == w.data_ptr() for k in linear_ops._GUESSES)
+        assert got[2].item() == want[2].item() == guess[0].item(), step
+
+
+def test_quantize_op_declares_the_guess_it_updates():
+    """The state the kernels update is an argument the op's schema marks as written, so that
+    torch.compile functionalizes it instead of missing it."""
+    from coat_ds.kernels import linear_ops  # noqa: F401 (registers the op)
+
+    args = {a.name: a for a in torch.ops.coat_ds.fp8_linear_quantize.default._schema.arguments}
+    assert args["guess"].alias_info is not None and args["guess"].alias_info.is_write
+    assert all(a.alias_info is None for name, a in args.items() if name != "guess")
+
+
+def _held(guess):
+    # new_guess's layout: [exponent, max bits, exponent the last guess pass wrote with].
+    return guess[2].item() == guess[0].item()
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_backward_reuses_the_weight_exponent(monkeypatch, backend):
     """Backward quantizes the weight again with forward's exponent: one max pass per tensor
     per step (input and weight in forward, output gradient in backward), not a second one
-    over the weight, and the same gradients as recomputing it."""
+    over the weight, and the same gradients as recomputing it. Our Triton kernels start the
+    weight's cast from the exponent in the layer's guess (its last step's, 0 before the
+    first) and fold its max there: no weight max pass at all."""
     if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
-    from coat_ds.kernels import fp8_linear, linear_ops
+    from coat_ds.kernels import fp8_linear
 
-    # A guess left by an earlier test for a weight at the same address would skip the first
-    # step's weight max: start from none.
-    monkeypatch.setattr(linear_ops, "_GUESSES", {})
     _, m = _pair(config=Fp8LinearConfig(fp8_gemm="on", backend=backend))
+    e_w = reference.linear_quantize(m.weight.detach(), "e4m3")[2]
     calls = []
     real_ref, real_launch = reference.linear_finite_absmax, fp8_linear.launch
 
@@ -217,15 +232,77 @@ def test_backward_reuses_the_weight_exponent(monkeypatch, backend):
     torch.manual_seed(4)
     x, g = torch.randn(B, S, K), torch.randn(B, S, N)
     _, dx, dw, _ = _run(m, x, g)
-    assert len(calls) == 3, calls
-    # The next step's Triton weight cast starts from this step's exponent: no weight max.
+    assert len(calls) == (2 if backend == "triton" else 3), calls
+    guess = m.fp8_weight_guess
+    if backend == "triton":  # started from exponent 0, it now holds the weight's
+        assert (guess[0].item(), guess[2].item()) == (e_w.item(), 0) and e_w.item() != 0
+    else:
+        assert not guess.any()  # the twin ignores it
     calls.clear()
     _run(m, x, g)
     assert len(calls) == (2 if backend == "triton" else 3), calls
+    if backend == "triton":  # this step's guess held: the codes were written once
+        assert guess[0].item() == e_w.item() and _held(guess)
     wq_t_fresh = reference.linear_quantize(m.weight.detach(), "e4m3", False, True)[1]
-    e_w = reference.linear_quantize(m.weight.detach(), "e4m3")[2]
     assert torch.equal(reference.linear_quantize(m.weight.detach(), "e4m3", False, True, exp=e_w)[1], wq_t_fresh)
     assert torch.isfinite(dx).all() and torch.isfinite(dw).all()
+
+
+def test_weight_guess_is_the_layers_not_the_address():
+    """Two layers whose weights sit at one address (one storage, rescaled in place between
+    their calls, as a freed weight's memory is reused by another): each keeps its own guess,
+    so the first layer's guess still holds on its next call, and every output equals the
+    twin's."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+    _, a = _pair(config=Fp8LinearConfig(fp8_gemm="on", backend="triton"))
+    _, b = _pair(config=Fp8LinearConfig(fp8_gemm="on", backend="triton"))
+    _, twin = _pair(config=Fp8LinearConfig(fp8_gemm="on", backend="torch"))  # same parameters
+    w = a.weight.detach()
+    b.weight, twin.weight = nn.Parameter(w), nn.Parameter(w)
+    assert b.weight.data_ptr() == a.weight.data_ptr()
+    e_a = reference.linear_quantize(w, "e4m3")[2].item()
+    x = torch.randn(B, S, K)
+    with torch.no_grad():
+        for step, (layer, scale) in enumerate(((a, 1.0), (b, 64.0), (a, 1 / 64))):
+            w.mul_(scale)
+            assert torch.equal(layer(x), twin(x)), step
+    assert a.fp8_weight_guess[0].item() == e_a and _held(a.fp8_weight_guess)
+    assert b.fp8_weight_guess[0].item() == e_a + 6
+
+
+def test_weight_guess_is_a_buffer_that_moves_with_the_layer():
+    """The guess is a non-persistent buffer: state_dict keys stay nn.Linear's, Module.to moves
+    it and a dtype cast leaves it int32; a layer whose weight went elsewhere by other means
+    gets a guess there."""
+    _, m = _pair(config=Fp8LinearConfig(fp8_gemm="on", backend="torch"))
+    assert list(m.state_dict()) == ["weight", "bias"]
+    assert [n for n, _ in m.named_buffers()] == ["fp8_weight_guess"]
+    m.to(torch.bfloat16)
+    assert m.fp8_weight_guess.dtype == torch.int32 and m.weight.dtype == torch.bfloat16
+    m.to("meta")
+    assert m.fp8_weight_guess.device.type == "meta"
+    m.to_empty(device="cpu")
+    m.weight = nn.Parameter(m.weight.detach().to("meta"))  # as engines swap parameters
+    assert m._weight_guess(m.weight).device.type == "meta" and m.fp8_weight_guess.device.type == "meta"
+    fresh = Fp8Linear(K, N, device="meta")
+    assert fresh.fp8_weight_guess.device.type == "meta" and list(fresh.state_dict()) == ["weight", "bias"]
+
+
+def test_any_guess_gives_the_twins_codes():
+    """Whatever the guess holds (a layer made on meta and materialized with to_empty holds
+    garbage), the layer's output is the twin's and the guess ends at the weight's exponent."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+    _, m = _pair(config=Fp8LinearConfig(fp8_gemm="on", backend="triton"))
+    _, twin = _pair(config=Fp8LinearConfig(fp8_gemm="on", backend="torch"))
+    e_w = reference.linear_quantize(m.weight.detach(), "e4m3")[2].item()
+    x = torch.randn(B, S, K)
+    for junk in ((-2**31, 7, 2**31 - 1), (2**31 - 1, -1, -2**31), (127, 0, -127), (e_w + 1, 0, e_w), (e_w, 0, 0)):
+        m.fp8_weight_guess.copy_(torch.tensor(junk))
+        with torch.no_grad():
+            assert torch.equal(m(x), twin(x)), junk
+        assert m.fp8_weight_guess[0].item() == e_w, junk
 
 
 def test_split_max_is_the_max():
@@ -290,6 +367,25 @@ def test_keep_weight_codes_compiled_backward_reads_no_weight():
     dx_base, base_inputs = backward_inputs(False)
     assert keep_inputs == [] and len(base_inputs) == 6, (keep_inputs, base_inputs)
     assert sqnr_db(dx_base, dx_keep) > 40
+
+
+def test_compiled_kernels_update_the_guess_in_place():
+    """Compiled by Inductor, the op updating the layer's guess is handed the buffer itself
+    (functionalized, then re-inplaced): no copy of the guess and no copy back per step."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    _, m = _pair(config=Fp8LinearConfig(fp8_gemm="on", backend="triton", keep_weight_codes=True))
+    x = torch.randn(B, S, K, requires_grad=True)
+    _, code = run_and_get_code(lambda x: torch.compile(m, fullgraph=True)(x).sum().backward(), x)
+    guess = re.search(r"assert_size_stride\((\w+), \(3, \), \(1, \)", code[0]).group(1)
+    assert re.search(rf"fp8_linear_quantize\.default\(\w+, [^\n]*, {guess}\)", code[0]), code[0]
+    assert not [line for line in code[0].splitlines() if guess in line and "copy" in line]
+    assert m.fp8_weight_guess[0].item() == reference.linear_quantize(m.weight.detach(), "e4m3")[2].item()
 
 
 def test_state_dict_both_ways():
@@ -392,6 +488,9 @@ def test_torch_compile_fullgraph():
         shared_input._local.__dict__.clear()  # nor the shared-input state of a fresh thread
         y, dx, dw, _ = _run(compiled, x, g)
         assert sqnr_db(y0, y) > 40 and sqnr_db(dx0, dx) > 40 and sqnr_db(dw0, dw) > 40, backend
+        # The op's update of the layer's guess survives functionalization (twins ignore it).
+        e_w = reference.linear_quantize(m.weight.detach(), "e4m3")[2].item() if backend == "triton" else 0
+        assert m.fp8_weight_guess[0].item() == e_w, backend
 
 
 class _AttnMlp(nn.Module):

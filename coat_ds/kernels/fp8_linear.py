@@ -26,6 +26,7 @@ import triton.language as tl
 from .act_launch import launch
 from .codec import encode_fp8, pow2, scale_exponent
 from .fp8 import GEMM_ALIGN, get_format, kernel_isa
+from .linear_ops import new_weight_guess
 
 __all__ = ["linear_quantize", "new_guess"]
 
@@ -116,7 +117,7 @@ def linear_quantize(x: torch.Tensor, fmt="e4m3", rowwise: bool = True, transpose
     uint8 with x ~ q * 2**e; with `exp` (int32, one element, on x's device) that exponent is
     used and the max pass is skipped. With `guess` (`new_guess`'s state, on x's device) the
     codes are written with its exponent and written again only where the max says otherwise;
-    the state then holds the exponent found. See reference.linear_quantize."""
+    the state, updated in place, then holds the exponent found. See reference.linear_quantize."""
     if x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"linear_quantize takes a contiguous 2-D tensor, got shape {tuple(x.shape)}")
     isa = kernel_isa(x.device)
@@ -157,6 +158,6 @@ def linear_quantize(x: torch.Tensor, fmt="e4m3", rowwise: bool = True, transpose
 
 def new_guess(exp: torch.Tensor) -> torch.Tensor:
     """A guess state for `linear_quantize` whose guess is `exp` (int32, one element)."""
-    state = torch.zeros(3, dtype=torch.int32, device=exp.device)
+    state = new_weight_guess(exp.device)
     state[0] = exp.reshape(())
     return state

@@ -12,7 +12,7 @@ import torch
 from . import reference
 from .fp8 import GEMM_ALIGN, get_format, triton_usable, use_triton
 
-__all__ = ["get_linear_ops"]
+__all__ = ["get_linear_ops", "new_weight_guess"]
 
 _FORMATS = ("e4m3", "e5m2")
 
@@ -23,35 +23,27 @@ def _split(codes, codes_t, e, rowwise: bool, transposed: bool):
     return (codes if rowwise else empty), (codes_t if transposed else empty), e
 
 
-# Exponent guesses for weights (fp8_linear.linear_quantize's `guess`), by what identifies a
-# weight between steps. A stale or mistaken entry costs only the second write of the codes.
-_GUESSES: dict[tuple, torch.Tensor] = {}
-_MAX_GUESSES = 4096
+def new_weight_guess(device: torch.device) -> torch.Tensor:
+    """A weight's guess state (fp8_linear.new_guess's layout) before its first quantization:
+    exponent 0, which that quantization corrects as it does any wrong guess."""
+    return torch.zeros(3, dtype=torch.int32, device=device)
 
 
-def _triton_quantize(x, fmt, rowwise, transposed, exp, weight):
-    from .fp8_linear import linear_quantize, new_guess
+def _triton_quantize(x, fmt, rowwise, transposed, exp, guess):
+    from .fp8_linear import linear_quantize
 
-    x = x.contiguous()
-    if not weight or exp is not None:
-        return linear_quantize(x, fmt, rowwise, transposed, GEMM_ALIGN, exp)
-    key = (x.device, x.data_ptr(), tuple(x.shape), x.dtype, fmt)
-    state = _GUESSES.get(key)
-    out = linear_quantize(x, fmt, rowwise, transposed, GEMM_ALIGN, guess=state)
-    if state is None:
-        if len(_GUESSES) >= _MAX_GUESSES:
-            _GUESSES.clear()
-        _GUESSES[key] = new_guess(out[2])
-    return out
+    return linear_quantize(x.contiguous(), fmt, rowwise, transposed, GEMM_ALIGN, exp, guess)
 
 
-@torch.library.custom_op("coat_ds::fp8_linear_quantize", mutates_args=())
+# `guess`: fp8_linear.new_guess's state, which the Triton kernels start from and update in
+# place (the twin ignores it).
+@torch.library.custom_op("coat_ds::fp8_linear_quantize", mutates_args=("guess",))
 def _quantize_op(x: torch.Tensor, fmt_id: int, rowwise: bool, transposed: bool,
                  exp: torch.Tensor | None = None, twin: bool = False,
-                 weight: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 guess: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     fmt = _FORMATS[fmt_id]
     if not twin and triton_usable(x.device):
-        out = _triton_quantize(x, fmt, rowwise, transposed, exp, weight)
+        out = _triton_quantize(x, fmt, rowwise, transposed, exp, guess)
     else:
         out = reference.linear_quantize(x, fmt, rowwise, transposed, GEMM_ALIGN, exp)
         if exp is not None:
@@ -60,7 +52,7 @@ def _quantize_op(x: torch.Tensor, fmt_id: int, rowwise: bool, transposed: bool,
 
 
 @_quantize_op.register_fake
-def _(x, fmt_id, rowwise, transposed, exp=None, twin=False, weight=False):
+def _(x, fmt_id, rowwise, transposed, exp=None, twin=False, guess=None):
     m, k = x.shape
     mp = -(-m // GEMM_ALIGN) * GEMM_ALIGN
     codes = x.new_empty((m, k) if rowwise else (0,), dtype=torch.uint8)
@@ -68,17 +60,18 @@ def _(x, fmt_id, rowwise, transposed, exp=None, twin=False, weight=False):
     return codes, codes_t, x.new_empty((), dtype=torch.int32)
 
 
-def _custom_quantize(x, fmt, rowwise, transposed, exp=None, split=0, twin=False, weight=False):
+def _custom_quantize(x, fmt, rowwise, transposed, exp=None, split=0, guess=None, twin=False):
     # `split` shapes the twin's max reduction for Inductor; the Triton kernel has its own blocks.
-    codes, codes_t, e = _quantize_op(x, get_format(fmt).id, rowwise, transposed, exp, twin, weight)
+    codes, codes_t, e = _quantize_op(x, get_format(fmt).id, rowwise, transposed, exp, twin, guess)
     return (codes if rowwise else None), (codes_t if transposed else None), e
 
 
-def _opaque_twin(x, fmt, rowwise, transposed, exp=None, split=0, weight=False):
+def _opaque_twin(x, fmt, rowwise, transposed, exp=None, split=0, guess=None):
+    # Not handed the guess: the twin never reads it, and a compiled graph would copy it back.
     return _custom_quantize(x, fmt, rowwise, transposed, exp, split, twin=True)
 
 
-def _torch_quantize(x, fmt, rowwise, transposed, exp=None, split=0, weight=False):
+def _torch_quantize(x, fmt, rowwise, transposed, exp=None, split=0, guess=None):
     codes, codes_t, e = reference.linear_quantize(x, fmt, rowwise, transposed, GEMM_ALIGN, exp, split)
     if torch.compiler.is_compiling():
         codes, codes_t = _one_buffer(codes), _one_buffer(codes_t)
@@ -95,10 +88,11 @@ def _one_buffer(codes):
 
 
 def get_linear_ops(device: torch.device, backend: str = "auto", opaque: bool = False):
-    """`quantize(x2d, fmt, rowwise, transposed, exp=None, split=0, weight=False) -> (codes |
+    """`quantize(x2d, fmt, rowwise, transposed, exp=None, split=0, guess=None) -> (codes |
     None, codes_t | None, exp)` for tensors on `device` (`exp`: use this exponent instead of
-    reading the max; `split`: reference.linear_finite_absmax's, for the twin; `weight`: the
-    Triton kernels start from the exponent this tensor had last time, fp8_linear.py):
+    reading the max; `split`: reference.linear_finite_absmax's, for the twin; `guess`: a
+    weight's fp8_linear.new_guess state on its device, which the Triton kernels start from
+    and update in place; the twin ignores it):
     "triton" (the custom op over the Triton kernels), "torch" (the twin)
     or "auto": the twin while torch.compile traces (Inductor then fuses the casts into their
     producers) and on CPU, the Triton op on CUDA.

@@ -68,7 +68,8 @@ def convert_to_fp8_linear(model: nn.Module, *, config: Fp8LinearConfig | None = 
     Selected: plain nn.Linear modules (also after FSDP2's fully_shard) whose in and out
     features are multiples of 16 (FP8 GEMMs need it) and that `module_filter_fn(module, fqn)`
     accepts; the default filter skips the output head (`get_output_embeddings()`, or a
-    module named lm_head/output/head). Parameters, state_dict keys and hooks are unchanged.
+    module named lm_head/output/head). Parameters, state_dict keys and hooks are unchanged;
+    each converted layer gains a non-persistent buffer (Fp8Linear's weight guess).
     Logs how many layers it converted and which compute path the parameters' device takes
     (INFO; WARNING for the path without FP8 GEMMs). The path is chosen per call from the
     input's device: a model moved later follows."""
@@ -80,6 +81,7 @@ def convert_to_fp8_linear(model: nn.Module, *, config: Fp8LinearConfig | None = 
     for fqn, m in list(model.named_modules()):
         if isinstance(m, Fp8Linear):
             m.fp8_config = config
+            m._weight_guess(m.weight)
             converted += 1
             continue
         cls = _fp8_class(m)
@@ -93,6 +95,7 @@ def convert_to_fp8_linear(model: nn.Module, *, config: Fp8LinearConfig | None = 
             continue
         m.__class__ = cls
         m.fp8_config = config
+        m._weight_guess(m.weight)  # a buffer from the start, so that Module.to and engines move it
         converted += 1
     level, path = _describe_path(model, config)
     logger.log(level, "convert_to_fp8_linear: %d nn.Linear converted, %d skipped (dims not multiples of %d), "

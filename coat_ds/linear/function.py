@@ -50,7 +50,7 @@ def _mm(a, a_fmt, ea, b_t, b_fmt, eb, out_dtype, bias=None, fast_accum=False, ou
 
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_nd, weight, bias, out_dtype, fp8_gemm, fmts, fast_accum, backend, keep_w):
+    def forward(ctx, x_nd, weight, bias, out_dtype, fp8_gemm, fmts, fast_accum, backend, keep_w, w_guess):
         x = x_nd.reshape(-1, x_nd.shape[-1])
         if not x.is_contiguous():
             x = x.contiguous()
@@ -67,15 +67,16 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ew = wq_t = None
         keep_w = keep_w and fp8_gemm
         if fp8_gemm:
-            # weight=True: our kernels start from the exponent the weight had last step (one
-            # read of it where a max pass takes two). A kept copy comes from the custom op
-            # even when compiling: AOTAutograd would recompute a twin's cast of a parameter
-            # in backward rather than save it. Otherwise, compiled, the twin's cast measured
-            # as fast at 7B shapes and faster at ~1B (benchmarks.md, 2026-11-24).
+            # Our kernels start from the exponent in w_guess, the weight's last step's, and
+            # update it there (one read of the weight where a max pass takes two). A kept
+            # copy comes from the custom op even when compiling: AOTAutograd would recompute
+            # a twin's cast of a parameter in backward rather than save it. Otherwise,
+            # compiled, the twin's cast measured as fast at 7B shapes and faster at ~1B
+            # (benchmarks.md, 2026-11-24).
             if keep_w:
-                wq, wq_t, ew = get_linear_ops(x.device, backend, opaque=True)(weight, f_w, True, True, weight=True)
+                wq, wq_t, ew = get_linear_ops(x.device, backend, opaque=True)(weight, f_w, True, True, guess=w_guess)
             else:
-                wq, _, ew = quantize(weight, f_w, True, False, weight=True)
+                wq, _, ew = quantize(weight, f_w, True, False, guess=w_guess)
             # cuBLASLt takes a bias only with a 16-bit output; an FP32 one is added after.
             fused_bias = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
             b = bias.to(out_dtype) if fused_bias else None
@@ -141,12 +142,14 @@ class _Fp8LinearFunction(torch.autograd.Function):
             dx = dx.view(ctx.x_shape)
         if need_db and ctx.has_bias:
             db = gy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
                fp8_gemm: bool, fmts: tuple[str, str, str], fast_accum: bool, backend: str,
-               keep_weight_codes: bool = False) -> torch.Tensor:
-    """y = x @ weight.t() + bias over x's last dim, as described above."""
+               keep_weight_codes: bool = False, weight_guess: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ weight.t() + bias over x's last dim, as described above. `weight_guess`: the
+    weight's exponent-guess state (kernels/linear_ops.new_weight_guess, on its device), which
+    the Triton kernels read and update in place; None quantizes the weight from its max."""
     return _Fp8LinearFunction.apply(x, weight, bias, out_dtype, fp8_gemm, fmts, fast_accum, backend,
-                                    keep_weight_codes)
+                                    keep_weight_codes, weight_guess)

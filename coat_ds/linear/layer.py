@@ -5,9 +5,12 @@ import torch
 from torch import nn
 
 from ..config import Fp8LinearConfig
+from ..kernels.linear_ops import new_weight_guess
 from .function import fp8_linear
 
 __all__ = ["Fp8Linear", "fp8_gemm_available"]
+
+_GUESS = "fp8_weight_guess"
 
 
 @torch.compiler.assume_constant_result
@@ -32,7 +35,11 @@ class Fp8Linear(nn.Linear):
     backward runs the input- and weight-gradient GEMMs in FP8 from the output gradient, the
     FP8 input copy saved in forward and the weight quantized again. Output in the autocast
     dtype under autocast, else in the input's dtype. `convert_to_fp8_linear` makes these
-    from existing layers in place."""
+    from existing layers in place.
+
+    The buffer `fp8_weight_guess` (not in the state_dict) holds what the Triton kernels
+    learned of the weight's exponent last step; it moves with the module. A weight shared by
+    two layers has a guess in each."""
 
     fp8_config: Fp8LinearConfig
 
@@ -40,6 +47,18 @@ class Fp8Linear(nn.Linear):
                  config: Fp8LinearConfig | None = None):
         super().__init__(in_features, out_features, bias, device, dtype)
         self.fp8_config = config if config is not None else Fp8LinearConfig()
+        self._weight_guess(self.weight)
+
+    def _weight_guess(self, weight: torch.Tensor) -> torch.Tensor:
+        """The exponent-guess state of `weight` (this layer's), on its device: made where
+        missing (a layer made before it existed) or elsewhere (a weight moved without
+        Module.to, as engines that offload parameters do)."""
+        guess = self._buffers.get(_GUESS)
+        device = weight.device
+        if guess is None or guess.device != device:
+            guess = new_weight_guess(device)
+            self.register_buffer(_GUESS, guess, persistent=False)
+        return guess
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         cfg = self.fp8_config
@@ -52,9 +71,10 @@ class Fp8Linear(nn.Linear):
             fp8_gemm = fp8_gemm_available(input.device)
         else:
             fp8_gemm = cfg.fp8_gemm == "on"
-        return fp8_linear(input, self.weight, self.bias, out_dtype, fp8_gemm,
+        weight = self.weight
+        return fp8_linear(input, weight, self.bias, out_dtype, fp8_gemm,
                           (cfg.input_format, cfg.weight_format, cfg.grad_format), cfg.fast_accum, cfg.backend,
-                          cfg.keep_weight_codes)
+                          cfg.keep_weight_codes, self._weight_guess(weight))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8_config={self.fp8_config}"
