@@ -8,14 +8,6 @@ from .optim import CoatAdamW
 from .plan import ApplyConfig, Plan, apply_plan, load_plan
 
 
-def deepspeed_initialize(*args, **kwargs):
-    """`coat_ds.integrations.deepspeed.initialize`, imported on first call so that FSDP-only
-    users never load the DeepSpeed integration."""
-    from .integrations.deepspeed import initialize
-
-    return initialize(*args, **kwargs)
-
-
 def register_deepspeed() -> None:
     """`coat_ds.integrations.deepspeed_registry.register_deepspeed`: lets DeepSpeed's own
     `deepspeed.initialize` (and so HF Trainer and Accelerate) build CoatAdamW from
@@ -27,13 +19,22 @@ def register_deepspeed() -> None:
 
 
 def __getattr__(name: str):
-    # `coat_ds.deepspeed` without importing it first, still without loading DeepSpeed for
-    # FSDP-only users.
-    if name == "deepspeed":
-        import importlib
+    # Loaded on first use, so that FSDP-only users never load the DeepSpeed integration:
+    # `coat_ds.deepspeed`, and `deepspeed_initialize`, which is
+    # `coat_ds.integrations.deepspeed.initialize` itself (its signature and doc, not a wrapper's).
+    import importlib
 
+    if name == "deepspeed":
         return importlib.import_module(".deepspeed", __name__)
+    if name == "deepspeed_initialize":
+        initialize = importlib.import_module(".integrations.deepspeed", __name__).initialize
+        globals()[name] = initialize
+        return initialize
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | {"deepspeed_initialize"})
 
 
 __all__ = ["CoatAdamW", "OptimStateConfig", "AdamWHyperparams",

@@ -12,12 +12,14 @@ Layout of a save folder (DeepSpeed and FSDP alike):
 writes into `.stepN.partial`; when all of them have finished (a collective), rank 0 writes the
 completion record (`coat_ds_checkpoint.json`: step, world size, every file with its size) last,
 renames the folder to `stepN` and then points `latest` at it. A save never touches an existing
-`stepN`: it fails before writing anything.
+`stepN`: it fails before writing anything. A kill while `latest` is written leaves a
+`.latest.*.tmp` file, which the next save removes.
 
 `find_checkpoint(path)` is how resume chooses: `path` is either one checkpoint folder or a save
 folder, in which case the complete checkpoint with the highest step is taken and every
-incomplete candidate is reported by name. A file missing from, or shorter or longer than, the
-record fails with its path.
+incomplete candidate is reported by name (a `.stepN.partial` that holds every file and the
+record, killed before its rename, as a complete save never published). A file missing from,
+or shorter or longer than, the record fails with its path.
 
 Tests kill a rank inside a save through `COAT_DS_CKPT_FAULT` (see `fault_point`).
 """
@@ -38,7 +40,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from .atomic import atomic_write, fsync_dir
+from .atomic import atomic_write, fsync_dir, remove_stale_temps
 
 __all__ = ["RECORD", "LATEST", "FORMAT", "CheckpointError", "Found", "staged_save", "find_checkpoint",
            "staging_path", "read_record", "check_new_checkpoints", "check_files", "fault_point", "skipped_message",
@@ -160,6 +162,7 @@ def _update_latest(save_dir: str) -> None:
     if newest is not None:
         with atomic_write(os.path.join(save_dir, LATEST)) as f:
             f.write(os.path.basename(newest[0]))
+    remove_stale_temps(os.path.join(save_dir, LATEST))  # left by a save killed while writing `latest`
 
 
 def read_record(folder: str | os.PathLike, verify: bool = True) -> dict | None:
@@ -232,8 +235,7 @@ def _scan(save_dir: str) -> tuple[tuple[str, dict] | None, list[tuple[str, str]]
         if not os.path.isdir(folder):
             continue
         if name.startswith(".") and name.endswith(_PARTIAL):
-            skipped.append((folder, "incomplete checkpoint: an unfinished save (a rank stopped before every "
-                                    "rank had written)"))
+            skipped.append((folder, _staging_state(folder)))
             continue
         if not os.path.isfile(os.path.join(folder, RECORD)):
             if _looks_like_checkpoint(folder) or _STEP_NAME.match(name):
@@ -243,6 +245,22 @@ def _scan(save_dir: str) -> tuple[tuple[str, dict] | None, list[tuple[str, str]]
         complete.append((folder, read_record(folder, verify=False)))
     newest = max(complete, key=lambda c: (c[1]["step"], c[1].get("saved_at", 0))) if complete else None
     return newest, skipped
+
+
+def _staging_state(staging: str) -> str:
+    """What a staging folder left behind holds, from its contents: rank 0 writes the
+    completion record only after every rank has written, and renames the folder after that."""
+    final = os.path.basename(staging).removeprefix(".").removesuffix(_PARTIAL)
+    try:
+        record = read_record(staging)
+    except CheckpointError as e:
+        return f"incomplete checkpoint: an unfinished save whose files do not match its completion record ({e})"
+    if record is None:
+        return (f"incomplete checkpoint: an unfinished save, no completion record {RECORD} (stopped before every "
+                "rank had written, or before rank 0 recorded it)")
+    return (f"a complete save of step {record['step']} that was never published: every file and its completion "
+            f"record are there, but the save stopped before renaming the folder to {final!r}; rename it to "
+            f"{final!r} to resume from it")
 
 
 @dataclass(frozen=True)
@@ -262,7 +280,7 @@ def find_checkpoint(path: str | os.PathLike) -> Found:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint path not found: {path}")
     if os.path.basename(path).endswith(_PARTIAL):
-        raise CheckpointError(f"{path} is an unfinished save, not a checkpoint")
+        raise CheckpointError(f"{path} is a staging folder, not a checkpoint: {_staging_state(path)}")
     if _looks_like_checkpoint(path):
         record = read_record(path)
         if record is None:

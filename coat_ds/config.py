@@ -1,4 +1,5 @@
-"""Configuration dataclasses: frozen, validated on construction, one line of doc per field."""
+"""Configuration dataclasses: frozen, validated on construction, every field documented in the
+class docstring's "Attributes:" section (what help() shows)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,15 +19,25 @@ def _power_of_two(name: str, value: int, lo: int, hi: int) -> None:
 
 @dataclass(frozen=True)
 class OptimStateConfig:
-    """How CoatAdamW stores its moments."""
+    """How CoatAdamW stores its moments.
 
-    first_moment_format: str = "e4m3"  # FP8 format of exp_avg: "e4m3" or "e5m2"
-    second_moment_format: str = "e4m3"  # FP8 format of exp_avg_sq: "e4m3" or "e5m2"
-    group_size: int = 128  # elements per quantization group along the last dim (power of two)
-    dynamic_range_expansion: bool = True  # per-group x -> sign(x)|x/c|^k before quantizing (DRE)
-    min_quant_numel: int = 4096  # tensors with fewer elements (whole tensor, not shard) keep FP32 moments
-    nonfinite: str = "skip"  # non-finite grad in a group: "skip" that group (counted) or "raise" after the step
-    backend: str = "auto"  # "triton" kernels, "torch" reference, or "auto": Triton on CUDA, torch elsewhere
+    Attributes:
+        first_moment_format: FP8 format of exp_avg: "e4m3" or "e5m2"
+        second_moment_format: FP8 format of exp_avg_sq: "e4m3" or "e5m2"
+        group_size: elements per quantization group along the last dim (power of two)
+        dynamic_range_expansion: per-group x -> sign(x)|x/c|^k before quantizing (DRE)
+        min_quant_numel: tensors with fewer elements (whole tensor, not shard) keep FP32 moments
+        nonfinite: non-finite grad in a group: "skip" that group (counted) or "raise" after the step
+        backend: "triton" kernels, "torch" reference, or "auto": Triton on CUDA, torch elsewhere
+    """
+
+    first_moment_format: str = "e4m3"
+    second_moment_format: str = "e4m3"
+    group_size: int = 128
+    dynamic_range_expansion: bool = True
+    min_quant_numel: int = 4096
+    nonfinite: str = "skip"
+    backend: str = "auto"
 
     def __post_init__(self):
         for name in ("first_moment_format", "second_moment_format"):
@@ -44,12 +55,19 @@ class OptimStateConfig:
 
 @dataclass(frozen=True)
 class AdamWHyperparams:
-    """AdamW's hyper-parameters, checked as torch.optim.AdamW checks them."""
+    """AdamW's hyper-parameters, checked as torch.optim.AdamW checks them.
 
-    lr: float = 1e-3  # learning rate, >= 0
-    betas: tuple[float, float] = (0.9, 0.999)  # moment decay rates, each in [0, 1)
-    eps: float = 1e-8  # added to sqrt(v_hat), >= 0
-    weight_decay: float = 1e-2  # decoupled weight decay, >= 0
+    Attributes:
+        lr: learning rate, >= 0
+        betas: moment decay rates, each in [0, 1)
+        eps: added to sqrt(v_hat), >= 0
+        weight_decay: decoupled weight decay, >= 0
+    """
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 1e-2
 
     def __post_init__(self):
         if not _real(self.lr) or self.lr < 0:
@@ -70,16 +88,27 @@ def _real(x) -> bool:
 
 @dataclass(frozen=True)
 class ActivationConfig:
-    """How `compress_activations` stores the tensors autograd saves for backward."""
+    """How `compress_activations` stores the tensors autograd saves for backward.
 
-    linear_input_format: str = "e4m3"  # FP8 format of linear-layer inputs (per-tensor scale)
-    other_format: str = "e4m3"  # FP8 format of every other saved float (per-group scales)
-    group_size: int = 16  # elements per scaling group along the last (memory-contiguous) dim
-    per_tensor_linear_inputs: bool = True  # linear inputs get one scale per tensor (False: per group)
-    min_numel: int = 1024  # saved tensors with fewer elements are kept as they are
-    keep_region_leaf_inputs: bool = True  # region inputs without grad_fn (held by the caller) stay uncompressed
-    compiled_recompute: bool = True  # under torch.compile, backward recomputes pointwise values it would otherwise save
-    backend: str = "auto"  # "triton" kernels, "torch" reference, or "auto": Triton on CUDA, torch elsewhere
+    Attributes:
+        linear_input_format: FP8 format of linear-layer inputs (per-tensor scale)
+        other_format: FP8 format of every other saved float (per-group scales)
+        group_size: elements per scaling group along the last (memory-contiguous) dim
+        per_tensor_linear_inputs: linear inputs get one scale per tensor (False: per group)
+        min_numel: saved tensors with fewer elements are kept as they are
+        keep_region_leaf_inputs: region inputs without grad_fn (held by the caller) stay uncompressed
+        compiled_recompute: under torch.compile, backward recomputes pointwise values it would otherwise save
+        backend: "triton" kernels, "torch" reference, or "auto": Triton on CUDA, torch elsewhere
+    """
+
+    linear_input_format: str = "e4m3"
+    other_format: str = "e4m3"
+    group_size: int = 16
+    per_tensor_linear_inputs: bool = True
+    min_numel: int = 1024
+    keep_region_leaf_inputs: bool = True
+    compiled_recompute: bool = True
+    backend: str = "auto"
 
     def __post_init__(self):
         for name in ("linear_input_format", "other_format"):
@@ -99,15 +128,26 @@ _FP8_GEMM = ("auto", "on", "off")
 
 @dataclass(frozen=True)
 class Fp8LinearConfig:
-    """How `convert_to_fp8_linear` layers compute: per-tensor FP8 GEMMs, input saved in FP8."""
+    """How `convert_to_fp8_linear` layers compute: per-tensor FP8 GEMMs, input saved in FP8.
 
-    input_format: str = "e4m3"  # FP8 format of the layer input (the copy backward keeps)
-    weight_format: str = "e4m3"  # FP8 format of the weight in both GEMMs that read it
-    grad_format: str = "e5m2"  # FP8 format of the output gradient (input- and weight-gradient GEMMs)
-    fp8_gemm: str = "auto"  # "on"/"off" FP8 GEMMs, or "auto": where the device has them (CUDA 8.9+, CPU)
-    fast_accum: bool = True  # forward GEMM accumulates in the tensor cores' fast mode (gradients never do)
-    backend: str = "auto"  # "triton" kernels, "torch" twins, or "auto": Triton on CUDA, twins when compiling or on CPU
-    keep_weight_codes: bool = False  # keep forward's FP8 weight for backward (1 byte per weight element held per layer) instead of casting it again
+    Attributes:
+        input_format: FP8 format of the layer input (the copy backward keeps)
+        weight_format: FP8 format of the weight in both GEMMs that read it
+        grad_format: FP8 format of the output gradient (input- and weight-gradient GEMMs)
+        fp8_gemm: "on"/"off" FP8 GEMMs, or "auto": where the device has them (CUDA 8.9+, CPU)
+        fast_accum: forward GEMM accumulates in the tensor cores' fast mode (gradients never do)
+        backend: "triton" kernels, "torch" twins, or "auto": Triton on CUDA, twins when compiling or on CPU
+        keep_weight_codes: keep forward's FP8 weight for backward (1 byte per weight element held per
+            layer) instead of casting it again
+    """
+
+    input_format: str = "e4m3"
+    weight_format: str = "e4m3"
+    grad_format: str = "e5m2"
+    fp8_gemm: str = "auto"
+    fast_accum: bool = True
+    backend: str = "auto"
+    keep_weight_codes: bool = False
 
     def __post_init__(self):
         for name in ("input_format", "weight_format", "grad_format"):

@@ -4,26 +4,41 @@ from it, read the way DeepSpeed 0.19 reads it and type-checked strictly.
 Where DeepSpeed is lax we refuse instead of guessing: its pydantic models turn
 `"enabled": "false"` (a string) into False and `"f"`, `0` or `1.0` into booleans, and a
 string batch size only fails deep inside DeepSpeed. A value either means the same thing
-under `--engine deepspeed` and `--engine fsdp`, or it is an error naming the key.
+under `--engine deepspeed` and `--engine fsdp`, or it is an error naming the key. A key our
+code reads (optimizer section and parameters) is known or an error naming it; a top-level key
+DeepSpeed does not know, which it would ignore silently, gets a warning with the closest known
+one (`"zero_optimisation"`: did you mean `"zero_optimization"`?).
 """
 from __future__ import annotations
 
+import ast
 import copy
+import difflib
+import functools
+import importlib.util
 import json
 import os
+import re
+import warnings
 
 from .checks import ConfigError, boolean, integer, number
 
-__all__ = ["load_ds_config", "precision", "gradient_clipping", "batch_sizes", "zero_stage"]
+__all__ = ["load_ds_config", "precision", "gradient_clipping", "batch_sizes", "batch_keys", "zero_stage",
+           "check_keys"]
 
 # DeepSpeed's default when the key is absent (deepspeed/runtime/constants.py): clip at 1.0.
 _CLIP_DEFAULT = 1.0
 
 
 def load_ds_config(config) -> dict:
-    """A DeepSpeed config as a fresh dict: a dict (deep-copied) or the path of a JSON file."""
-    if isinstance(config, dict):
-        return copy.deepcopy(config)
+    """A DeepSpeed config as a fresh dict: a dict (deep-copied) or the path of a JSON file.
+    Warns about top-level keys DeepSpeed does not know."""
+    ds = copy.deepcopy(config) if isinstance(config, dict) else _read_json(config)
+    _warn_unknown_top_level(ds)
+    return ds
+
+
+def _read_json(config) -> dict:
     if not isinstance(config, (str, os.PathLike)):
         raise TypeError(f"DeepSpeed config must be a dict or a JSON file path, got {type(config).__name__}")
     if not os.path.isfile(config):
@@ -36,6 +51,90 @@ def load_ds_config(config) -> dict:
     if not isinstance(ds, dict):
         raise ValueError(f"{config}: a DeepSpeed config is a JSON object, got {type(ds).__name__}")
     return ds
+
+
+def check_keys(section: str, given, known, source: str = "DeepSpeed config") -> None:
+    """Refuse a key of `given` (an object coat_ds reads, `section` of the JSON) outside
+    `known`, naming it, the closest known key and all of them; `source` starts the message."""
+    for key in given:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), list(known), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            prefix = f"{source}: " if source else ""
+            raise ValueError(f"{prefix}{section} has unknown key {key!r}{hint}; valid keys: {', '.join(known)}")
+
+
+_KEY_LIKE = re.compile(r"^[a-z][a-z0-9_]*$")
+_FOLLOWED = re.compile(r"(config|constants)\w*\.py$|[/\\]__init__\.py$")
+
+
+@functools.lru_cache(maxsize=None)
+def _deepspeed_words() -> frozenset[str] | None:
+    """Every key-like string ("zero_optimization", "stage", ...) in the installed DeepSpeed's
+    config reader (deepspeed/runtime/config.py) and the config and constants modules it
+    imports, read from their source without importing DeepSpeed (FSDP-only runs must not
+    load it); None where DeepSpeed or that file is absent. A superset of the top-level keys
+    DeepSpeed reads, taken from the installed version so that it cannot fall behind it."""
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is None or not spec.origin:
+        return None
+    package = os.path.dirname(spec.origin)
+    start = os.path.join(package, "runtime", "config.py")
+    if not os.path.isfile(start):
+        return None
+    words, seen, todo = set(), set(), [start]
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        try:
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+        except (OSError, SyntaxError, ValueError):  # a warning's source must never stop a run
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and _KEY_LIKE.match(node.value):
+                words.add(node.value)
+            elif isinstance(node, ast.ImportFrom):
+                target = _module_file(package, path, node)
+                if target is not None and target != spec.origin and _FOLLOWED.search(target):
+                    todo.append(target)
+    return frozenset(words)
+
+
+def _module_file(package: str, importer: str, node: ast.ImportFrom) -> str | None:
+    """The file of DeepSpeed's that `from X import ...` in `importer` reads, or None."""
+    if node.level:
+        base = os.path.dirname(importer)
+        for _ in range(node.level - 1):
+            base = os.path.dirname(base)
+        parts = node.module.split(".") if node.module else []
+    elif node.module and node.module.split(".")[0] == "deepspeed":
+        base, parts = os.path.dirname(package), node.module.split(".")
+    else:
+        return None
+    stem = os.path.join(base, *parts)
+    for candidate in (stem + ".py", os.path.join(stem, "__init__.py")):
+        if os.path.isfile(candidate):
+            return candidate
+    return None
+
+
+def _warn_unknown_top_level(ds: dict) -> None:
+    """One warning for the top-level keys DeepSpeed does not know (it ignores them, so a
+    misspelled section would silently fall back to defaults), with the closest known key.
+    The message does not name the file, so the readers of one run's JSON warn once."""
+    known = _deepspeed_words()
+    unknown = [k for k in ds if k not in known] if known is not None else []
+    if not unknown:
+        return
+    named = []
+    for key in unknown:
+        close = difflib.get_close_matches(str(key), sorted(known), n=1)
+        named.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
+    warnings.warn(f"DeepSpeed config: unknown top-level key(s) {', '.join(named)}: DeepSpeed ignores them "
+                  "(and so does the FSDP engine)", UserWarning, stacklevel=2)
 
 
 def _section(ds: dict, key: str, where: str) -> dict:
@@ -69,8 +168,7 @@ def batch_sizes(ds: dict, world_size: int, where: str = "") -> tuple[int, int]:
     """(micro-batch, gradient accumulation) by DeepSpeed's rule: train_batch_size =
     micro-batch x accumulation x world size; any two determine the third (accumulation
     defaults to 1)."""
-    keys = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
-    micro, accum, total = (None if ds.get(k) is None else integer(k, ds[k], lo=1, where=where) for k in keys)
+    micro, accum, total = batch_keys(ds, where)
     if micro is None and total is None:
         raise ConfigError("train_micro_batch_size_per_gpu", None,
                           "an integer >= 1 (or set train_batch_size); one of the two is needed", where)
@@ -82,6 +180,14 @@ def batch_sizes(ds: dict, world_size: int, where: str = "") -> tuple[int, int]:
         raise ConfigError("train_batch_size", total, f"train_micro_batch_size_per_gpu {micro} x "
                           f"gradient_accumulation_steps {accum} x world size {world_size}, each factor >= 1", where)
     return micro, accum
+
+
+def batch_keys(ds: dict, where: str = "") -> tuple[int | None, int | None, int | None]:
+    """(train_micro_batch_size_per_gpu, gradient_accumulation_steps, train_batch_size), each
+    an integer >= 1 or None when absent; DeepSpeed would fail on a string with a bare
+    TypeError that names no key."""
+    keys = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+    return tuple(None if ds.get(k) is None else integer(k, ds[k], lo=1, where=where) for k in keys)
 
 
 def zero_stage(ds: dict, where: str = "") -> int:

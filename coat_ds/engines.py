@@ -9,6 +9,7 @@ same thing, and a value that DeepSpeed would read loosely is refused for both.
 from __future__ import annotations
 
 import gc
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from .checks import ConfigError, boolean, choice, integer, number
 from .config import AdamWHyperparams
-from .ds_json import batch_sizes, gradient_clipping, load_ds_config, precision, zero_stage
+from .ds_json import batch_sizes, check_keys, gradient_clipping, load_ds_config, precision, zero_stage
 from .integrations.deepspeed import prepare_config
 from .optim import CoatAdamW
 
@@ -86,11 +87,22 @@ def read_ds_settings(path, world_size: int, engine: str = "fsdp") -> DsTrainSett
             kind, params = section["type"], dict(section.get("params") or {})  # DeepSpeed's own: it checks them
         else:
             kind, params = optimizer_settings(ds, "")
+            if kind != "CoatAdamW":  # CoatAdamW's section was checked by prepare_config
+                _check_torch_adam_keys(kind, ds["optimizer"])
         return DsTrainSettings(engine, micro, accum, gradient_clipping(ds), bf16, fp16, zero_stage(ds), kind, params)
     except ConfigError as e:
         raise ConfigError(e.key, e.value, e.allowed, _where(path)) from None
     except ValueError as e:
         raise ValueError(f"{_where(path)}: {e}") from None
+
+
+def _check_torch_adam_keys(kind: str, section: dict) -> None:
+    """An AdamW/Adam section holds only keys that mean something to both engines: a
+    misspelled `params` or parameter is an error naming it, not a silent default."""
+    check_keys("optimizer", section, ("type", "params"), source="")
+    known = tuple(n for n in inspect.signature(_OPTIMIZERS[kind]).parameters if n != "params")
+    check_keys(f"optimizer.params of {section['type']}", section.get("params") or {},
+               known + _DEEPSPEED_ONLY_ADAM_KEYS, source="")
 
 
 def _where(path) -> str:

@@ -304,6 +304,34 @@ def test_config_validation_and_api_errors():
     assert coat_ds.activation_stats(m) is None
 
 
+def test_nested_compression_is_refused_until_the_first_is_removed():
+    def model():
+        return nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)))
+
+    outer = model()
+    h = coat_ds.compress_activations(outer, config=CFG)
+    # A submodule of a compressed model, at any depth: its hooks would nest inside the model's.
+    for sub in (outer[1], outer[1][0]):
+        with pytest.raises(RuntimeError, match="the model given overlaps a model that compress_activations was "
+                                               "already applied to.*remove"):
+            coat_ds.compress_activations(sub, config=CFG)
+    h.remove()
+    h = coat_ds.compress_activations(outer[1], config=CFG)  # allowed once the first is removed
+    # A model holding a compressed module, whichever region of it the filter picks.
+    with pytest.raises(RuntimeError, match="the model given overlaps"):
+        coat_ds.compress_activations(outer, config=CFG)
+    with pytest.raises(RuntimeError, match="its module '1.1' overlaps"):
+        coat_ds.compress_activations(outer, config=CFG, module_filter_fn=lambda m, fqn: fqn == "1.1")
+    # A region of a filtered compression is named; modules outside every region stay free.
+    h.remove()
+    h = coat_ds.compress_activations(outer, config=CFG, module_filter_fn=lambda m, fqn: fqn == "1")
+    with pytest.raises(RuntimeError, match="overlaps region '1' of a model"):
+        coat_ds.compress_activations(outer[1][1], config=CFG)
+    other = coat_ds.compress_activations(outer[0], config=CFG)
+    assert other.regions == [""]
+    other.remove()
+    h.remove()
+
 def _train(compress: bool, steps: int = 300, fused_qkv: bool = False):
     torch.manual_seed(0)
     vocab, seq, batch = 64, 32, 16

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -116,6 +117,51 @@ def test_resume_choice_and_damaged_files_name_their_path(tmp_path):
     with pytest.raises(FileNotFoundError, match=f"no complete checkpoint in {tmp_path / 'empty'}"):
         find_checkpoint(tmp_path / "empty")
 
+
+def test_save_removes_the_latest_temp_file_a_kill_left(tmp_path):
+    save = tmp_path / "ckpt"
+    _save(save, "step2", 2)
+    # What a kill inside atomic_write(save/latest) leaves: its temporary file, never renamed.
+    killed = save / ".latest.k1ll3d.tmp"
+    killed.write_text("step")
+    os.utime(killed, (time.time() - 3600, time.time() - 3600))
+    live = save / ".latest.w0rk1n.tmp"  # another write of `latest` still under way: kept
+    live.write_text("")
+    other = save / ".metrics.jsonl.x.tmp"  # not `latest`'s: kept
+    other.write_text("")
+    os.utime(other, (time.time() - 3600, time.time() - 3600))
+    _save(save, "step4", 4)
+    assert not killed.exists() and live.exists() and other.exists()
+    assert (save / LATEST).read_text() == "step4" and find_checkpoint(save).path == str(save / "step4")
+
+
+def test_staging_folder_with_every_file_and_its_record_is_reported_as_unpublished(tmp_path):
+    save = tmp_path / "ckpt"
+    _save(save, "step2", 2)
+    # A kill of rank 0 between writing the record and the rename: the staging folder holds the
+    # whole checkpoint and its record, `latest` still names the previous one.
+    _save(save, "step4", 4)
+    os.rename(save / "step4", staging_path(save / "step4"))
+    (save / LATEST).write_text("step2")
+    os.makedirs(staging_path(save / "step6"))  # killed while ranks were writing: no record
+    found = find_checkpoint(save)
+    assert found.path == str(save / "step2")
+    why = dict(found.skipped)
+    unpublished = why[staging_path(save / "step4")]
+    assert "complete save of step 4 that was never published" in unpublished
+    assert "rename it to 'step4'" in unpublished and "stopped before every rank had written" not in unpublished
+    assert "no completion record" in why[staging_path(save / "step6")]
+    with pytest.raises(CheckpointError, match="never published"):
+        find_checkpoint(staging_path(save / "step4"))
+    # Its record still vouches for its files: a damaged one is not called complete.
+    with open(os.path.join(staging_path(save / "step4"), "data.bin"), "r+b") as f:
+        f.truncate(10)
+    assert "data.bin has 10 bytes" in dict(find_checkpoint(save).skipped)[staging_path(save / "step4")]
+    with open(os.path.join(staging_path(save / "step4"), "data.bin"), "ab") as f:
+        f.write(b"x" * 90)
+    # Following the advice publishes it.
+    os.rename(staging_path(save / "step4"), save / "step4")
+    assert find_checkpoint(save).path == str(save / "step4")
 
 def test_metrics_log_appends_only_new_steps(tmp_path):
     path = tmp_path / "m.jsonl"

@@ -1,14 +1,19 @@
-"""The DeepSpeed JSON -> CoatAdamW translation (in-process, no distributed run)."""
+"""The DeepSpeed JSON -> CoatAdamW translation, and the keys of the JSON both engines read:
+unknown ones are errors (what we read) or one warning (DeepSpeed's); in-process, no
+distributed run."""
 from __future__ import annotations
 
 import glob
 import json
 import os
+import warnings
 
 import pytest
 import torch
 
 from coat_ds import CoatAdamW
+from coat_ds.checks import ConfigError
+from coat_ds.engines import read_ds_settings
 from coat_ds.integrations.deepspeed import OPTIMIZER_PARAMS, initialize, prepare_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,3 +114,63 @@ def test_shipped_ds_configs():
         assert {k: v for k, v in base.items() if k not in strip} == {k: v for k, v in coat.items() if k not in strip}
     ds, _ = prepare_config(os.path.join(ROOT, "ds_configs", "coat_zero2_offload.json"))
     assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+
+
+def _bf16_cfg(**params) -> dict:
+    return {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}, "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, **params}}}
+
+
+@pytest.mark.parametrize("make", [_cfg, _bf16_cfg], ids=["CoatAdamW", "AdamW"])
+def test_misspelled_section_is_warned_with_the_close_match_on_both_engines(make):
+    cfg = make()
+    cfg["zero_optimisation"] = cfg.pop("zero_optimization")
+    cfg["gradient_cliping"] = 1.0
+    expected = r"'zero_optimisation' \(did you mean 'zero_optimization'\?\), 'gradient_cliping' \(did you mean " \
+               r"'gradient_clipping'\?\)"
+    for engine in ("deepspeed", "fsdp"):
+        with pytest.warns(UserWarning, match=expected):
+            read_ds_settings(cfg, 1, engine=engine)
+    with pytest.warns(UserWarning, match=expected):  # what deepspeed_initialize reads
+        prepare_config(cfg)
+
+
+def test_deepspeed_keys_raise_no_warning():
+    # The shipped configs and DeepSpeed sections that coat_ds never reads itself.
+    cfg = json.load(open(os.path.join(ROOT, "ds_configs", "coat_zero2_offload.json")))
+    cfg.update({"scheduler": {"type": "WarmupLR"}, "tensorboard": {"enabled": False}, "wandb": {"enabled": False},
+                "csv_monitor": {"enabled": False}, "comms_logger": {"enabled": False},
+                "flops_profiler": {"enabled": False}, "activation_checkpointing": {}, "aio": {}, "checkpoint": {},
+                "data_types": {}, "compile": {}, "torch_autocast": {}, "communication_data_type": None,
+                "prescale_gradients": False, "gradient_predivide_factor": 1.0, "memory_breakdown": False,
+                "dump_state": False, "tensor_parallel": {}, "zero_allow_untested_optimizer": True})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for f in sorted(glob.glob(os.path.join(ROOT, "ds_configs", "*.json"))):
+            for engine in ("deepspeed", "fsdp"):
+                read_ds_settings(f, 2, engine=engine)
+            prepare_config(f)
+        prepare_config(cfg)
+
+
+@pytest.mark.parametrize("engine", ["deepspeed", "fsdp"])
+def test_unknown_adamw_keys_are_errors_naming_them(engine):
+    with pytest.raises(ValueError) as err:
+        read_ds_settings(_bf16_cfg(weight_decy=0.1), 1, engine=engine)
+    msg = str(err.value)
+    assert "optimizer.params of AdamW has unknown key 'weight_decy'" in msg
+    assert "did you mean 'weight_decay'" in msg and "valid keys: lr, betas, eps, weight_decay" in msg
+    cfg = _bf16_cfg()
+    cfg["optimizer"]["parms"] = cfg["optimizer"].pop("params")  # silently default hyper-parameters before
+    with pytest.raises(ValueError, match=r"optimizer has unknown key 'parms' \(did you mean 'params'\?\)"):
+        read_ds_settings(cfg, 1, engine=engine)
+
+
+def test_string_micro_batch_is_refused_naming_the_key_before_deepspeed():
+    import coat_ds
+
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
+        cfg = _bf16_cfg()
+        cfg[key] = "4"
+        with pytest.raises(ConfigError, match=f"{key}: got '4' \\(str\\); allowed: an integer >= 1"):
+            coat_ds.deepspeed_initialize(model=torch.nn.Linear(2, 2), config=cfg)

@@ -25,6 +25,20 @@ def _handle_of(model: nn.Module) -> "ActivationCompression | None":
     return ref() if ref is not None else None
 
 
+def _covering_region(modules: list[nn.Module]) -> "tuple[ActivationCompression, str] | None":
+    """(handle, region) of a live compression whose regions hold one of `modules`, or None:
+    nested regions would push a second pair of hooks inside the first."""
+    ids = {id(m) for m in modules}
+    for ref in list(_HANDLES.values()):
+        handle = ref()
+        if handle is None:
+            continue
+        for fqn, members in zip(handle.regions, handle._region_modules.values()):  # both in region order
+            if any(id(m) in ids for m in members):
+                return handle, fqn
+    return None
+
+
 def _set_functorch(settings: dict) -> dict:
     """Set AOTAutograd options (read when a graph is compiled, so they apply to graphs
     compiled inside a region); returns the values they replace."""
@@ -138,7 +152,8 @@ def compress_activations(model: nn.Module, *, config: ActivationConfig | None = 
 
     Hooks are registered on the modules, so the model trains as before: wrap before or after
     FSDP2's `fully_shard`, with or without activation checkpointing. Selected modules nested
-    in another selected module are covered by the outer one. Returns a handle for stats."""
+    in another selected module are covered by the outer one; a module inside, or holding, one
+    that an earlier call still compresses is refused. Returns a handle for stats."""
     config = config if config is not None else ActivationConfig()
     if not isinstance(config, ActivationConfig):
         raise TypeError(f"config must be an ActivationConfig, got {type(config).__name__}")
@@ -153,6 +168,15 @@ def compress_activations(model: nn.Module, *, config: ActivationConfig | None = 
             regions.append((fqn, m))
     if not regions:
         raise ValueError("module_filter_fn selected no module")
+    for fqn, region in regions:
+        covering = _covering_region(list(region.modules()))
+        if covering is not None:
+            what = "the model given" if not fqn else f"its module {fqn!r}"
+            other = "a model" if not covering[1] else f"region {covering[1]!r} of a model"
+            raise RuntimeError(f"compress_activations: {what} overlaps {other} that compress_activations was already "
+                               "applied to (one holds the other); nested compression would compress its tensors "
+                               "twice. Call .remove() on that handle first, or select every module in one call "
+                               "(module_filter_fn)")
     handle = ActivationCompression(model, regions, config)
     _HANDLES[model] = weakref.ref(handle)
     return handle

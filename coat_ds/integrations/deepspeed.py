@@ -15,14 +15,14 @@ CoatAdamW's per-tensor state (FP8 codes, scales, `step`) stays keyed to the righ
 from __future__ import annotations
 
 import copy
-import difflib
 import inspect
+import os
 from dataclasses import dataclass
 
 import torch
 
 from ..config import OptimStateConfig
-from ..ds_json import load_ds_config
+from ..ds_json import batch_keys, check_keys, load_ds_config
 from ..optim import CoatAdamW
 from ..optim import state as st
 
@@ -44,12 +44,7 @@ OPTIMIZER_PARAMS = tuple(n for n in inspect.signature(CoatAdamW.__init__).parame
 
 
 def _check_params(params: dict) -> dict:
-    for key in params:
-        if key not in OPTIMIZER_PARAMS:
-            close = difflib.get_close_matches(key, OPTIMIZER_PARAMS, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(f"DeepSpeed config: optimizer.params has unknown key {key!r} for {OPTIMIZER_TYPE}{hint}; "
-                             f"valid keys: {', '.join(OPTIMIZER_PARAMS)}")
+    check_keys(f"optimizer.params of {OPTIMIZER_TYPE}", params, OPTIMIZER_PARAMS)
     out = dict(params)
     if isinstance(out.get("betas"), list):
         out["betas"] = tuple(out["betas"])
@@ -60,17 +55,16 @@ def prepare_config(config) -> tuple[dict, dict | None]:
     """Split a DeepSpeed config (dict or JSON path) into what DeepSpeed should see and the
     CoatAdamW keyword arguments (None when the config names another optimizer or none).
 
-    Raises ValueError, naming the key, for an unknown optimizer parameter and for settings
-    whose checkpoint code would corrupt FP8 state (`elastic_checkpoint`, universal load) or
-    that cannot host it (NVMe optimizer offload)."""
+    Raises ValueError, naming the key, for a batch size that is not an integer, for an
+    unknown optimizer parameter and for settings whose checkpoint code would corrupt FP8
+    state (`elastic_checkpoint`, universal load) or that cannot host it (NVMe optimizer
+    offload). Warns about top-level keys DeepSpeed does not know."""
     ds = load_ds_config(config)
+    batch_keys(ds, os.fspath(config) if isinstance(config, (str, os.PathLike)) else "DeepSpeed config")
     section = ds.get("optimizer")
     if not section or str(section.get("type", "")).lower() != OPTIMIZER_TYPE.lower():
         return ds, None
-    extra = set(section) - {"type", "params"}
-    if extra:
-        raise ValueError(f"DeepSpeed config: optimizer section has unknown key(s) {sorted(extra)}; "
-                         "expected only 'type' and 'params'")
+    check_keys("optimizer", section, ("type", "params"))
     kwargs = _check_params(section.get("params") or {})
     zero = ds.get("zero_optimization") or {}
     if zero.get("elastic_checkpoint"):

@@ -61,15 +61,23 @@ _MODES = ("fsdp2", "fsdp1")
 
 @dataclass(frozen=True)
 class FsdpConfig:
-    """How `setup_fsdp` shards a model."""
+    """How `setup_fsdp` shards a model.
 
-    mode: str = "fsdp2"  # "fsdp2" (fully_shard, DTensor parameters) or "fsdp1" (FullyShardedDataParallel)
-    # modules made their own FSDP unit; None: every element of an nn.ModuleList (transformer blocks)
+    Attributes:
+        mode: "fsdp2" (fully_shard, DTensor parameters) or "fsdp1" (FullyShardedDataParallel)
+        wrap: modules made their own FSDP unit; None: every element of an nn.ModuleList (transformer blocks)
+        use_orig_params: FSDP1 only: expose the original parameters (True) or one FlatParameter per unit
+        reshard_after_forward: free gathered parameters after forward (ZeRO-3-like) or keep to backward
+        param_dtype: compute dtype of gathered parameters (torch.bfloat16...); None: as stored
+        activation: FP8 activation compression of the whole model (None: off)
+    """
+
+    mode: str = "fsdp2"
     wrap: Callable[[nn.Module], bool] | None = None
-    use_orig_params: bool = True  # FSDP1 only: expose the original parameters (True) or one FlatParameter per unit
-    reshard_after_forward: bool = True  # free gathered parameters after forward (ZeRO-3-like) or keep to backward
-    param_dtype: torch.dtype | None = None  # compute dtype of gathered parameters (torch.bfloat16...); None: as stored
-    activation: ActivationConfig | None = None  # FP8 activation compression of the whole model (None: off)
+    use_orig_params: bool = True
+    reshard_after_forward: bool = True
+    param_dtype: torch.dtype | None = None
+    activation: ActivationConfig | None = None
 
     def __post_init__(self):
         if self.mode not in _MODES:

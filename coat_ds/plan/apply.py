@@ -20,10 +20,15 @@ __all__ = ["ApplyConfig", "apply_plan", "AppliedPlan"]
 
 @dataclass(frozen=True)
 class ApplyConfig:
-    """How the FP8 choices are carried out."""
+    """How the FP8 choices are carried out.
 
-    activation: ActivationConfig | None = None  # FP8 saved activations of "fp8"/"fp8_linear" layers; None: defaults
-    fp8_linear: Fp8LinearConfig | None = None  # FP8 GEMMs of "fp8_linear" layers; None: defaults
+    Attributes:
+        activation: FP8 saved activations of "fp8"/"fp8_linear" layers; None: defaults
+        fp8_linear: FP8 GEMMs of "fp8_linear" layers; None: defaults
+    """
+
+    activation: ActivationConfig | None = None
+    fp8_linear: Fp8LinearConfig | None = None
 
     def __post_init__(self):
         if self.activation is not None and not isinstance(self.activation, ActivationConfig):

@@ -9,7 +9,7 @@ import torch
 
 from ..shipped_configs import resolve_ds_config, shipped_dirs
 
-__all__ = ["ProfileOptions", "parse_options", "child_argv", "ENGINES", "SIDES"]
+__all__ = ["ProfileOptions", "build_parser", "parse_options", "child_argv", "ENGINES", "SIDES"]
 
 ENGINES = ("none", "deepspeed", "fsdp")
 SIDES = ("both", "baseline", "coat")
@@ -87,24 +87,32 @@ class ProfileOptions:
                              "fp8_linear in --choices")
 
 
-def parse_options(argv: list[str] | None = None) -> ProfileOptions:
+def build_parser() -> argparse.ArgumentParser:
+    """The profiler's command line; every option has its help text."""
     p = argparse.ArgumentParser(prog="python -m coat_ds.profile",
                                 description="Where training memory goes under BF16 AdamW and under COAT, "
                                             "and the largest micro-batch each fits.")
     p.add_argument("--model", required=True, help="preset name (tiny, small, 1b, 7b, ...) or YAML config")
-    p.add_argument("--engine", default="none", choices=ENGINES)
+    p.add_argument("--engine", default="none", choices=ENGINES,
+                   help="none: one process, plain PyTorch; deepspeed or fsdp: that engine (default: none)")
     p.add_argument("--config", default=ProfileOptions.config,
                    help="DeepSpeed JSON of the COAT side (ds_configs/<name>.json: the shipped one from any directory)")
     p.add_argument("--baseline", default=ProfileOptions.baseline,
                    help="DeepSpeed JSON of the baseline side (found as --config is)")
     p.add_argument("--budget-gb", type=float, default=None, help="memory budget per rank (GB); required on CPU")
-    p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--out", default=ProfileOptions.out)
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per sequence (default: the YAML's seq_len, else the preset's max_seq_len)")
+    p.add_argument("--out", default=ProfileOptions.out,
+                   help="directory for profile.json and profile.png (default: %(default)s)")
     p.add_argument("--measure-batches", type=int, nargs=2, default=list(ProfileOptions.measure_batches),
-                   metavar=("B1", "B2"))
-    p.add_argument("--max-batch", type=int, default=ProfileOptions.max_batch)
-    p.add_argument("--throughput-steps", type=int, default=ProfileOptions.throughput_steps)
-    p.add_argument("--seed", type=int, default=0)
+                   metavar=("B1", "B2"),
+                   help="the two micro-batches whose activation bytes give the per-sample slope (default: 1 2)")
+    p.add_argument("--max-batch", type=int, default=ProfileOptions.max_batch,
+                   help="largest micro-batch the search tries (default: %(default)s)")
+    p.add_argument("--throughput-steps", type=int, default=ProfileOptions.throughput_steps,
+                   help="timed steps at each side's largest micro-batch, CUDA only; 0 skips them "
+                        "(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and token ids (default: 0)")
     p.add_argument("--side", default="both", choices=SIDES,
                    help="measure one side only (what each isolated child process runs)")
     p.add_argument("--in-process", action="store_true",
@@ -124,6 +132,11 @@ def parse_options(argv: list[str] | None = None) -> ProfileOptions:
     p.add_argument("--fp8-linear", action="store_true",
                    help="COAT side: FP8 linear layers (convert_to_fp8_linear) as well as FP8 activations")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
+    return p
+
+
+def parse_options(argv: list[str] | None = None) -> ProfileOptions:
+    p = build_parser()
     a = p.parse_args(argv)
     if a.budget_gb is None and not torch.cuda.is_available():
         p.error("--budget-gb is required without a CUDA GPU: on a CPU the search runs against a budget "
