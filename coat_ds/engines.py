@@ -21,8 +21,8 @@ from .ds_json import batch_sizes, gradient_clipping, load_ds_config, precision, 
 from .integrations.deepspeed import prepare_config
 from .optim import CoatAdamW
 
-__all__ = ["DsTrainSettings", "read_ds_settings", "optimizer_settings", "build_optimizer", "optimizer_state_bytes",
-           "shutdown_distributed"]
+__all__ = ["DsTrainSettings", "read_ds_settings", "clipping_off_note", "optimizer_settings", "build_optimizer",
+           "optimizer_state_bytes", "shutdown_distributed"]
 
 # DeepSpeed's own switches in an Adam/AdamW `params` section that torch.optim does not take:
 # `torch_adam` picks torch's implementation (what we use anyway), `adam_w_mode` is read below.
@@ -91,6 +91,16 @@ def read_ds_settings(path, world_size: int, engine: str = "fsdp") -> DsTrainSett
         raise ConfigError(e.key, e.value, e.allowed, _where(path)) from None
     except ValueError as e:
         raise ValueError(f"{_where(path)}: {e}") from None
+
+
+def clipping_off_note(path) -> str | None:
+    """The log line for a JSON whose `gradient_clipping` is <= 0, which turns clipping off
+    (DeepSpeed clips only above 0, and both engines follow it), else None."""
+    clip = load_ds_config(path).get("gradient_clipping")
+    if isinstance(clip, (int, float)) and not isinstance(clip, bool) and clip <= 0:
+        return (f"gradient clipping: OFF (gradient_clipping is {clip} in {_where(path)}; a value <= 0 turns it off, "
+                "as in DeepSpeed)")
+    return None
 
 
 def _where(path) -> str:
