@@ -7,6 +7,10 @@
     DS_ACCELERATOR=cpu deepspeed --num_accelerators 2 train.py \\
         --deepspeed ds_configs/coat_zero2.json --config configs/tiny.yaml
     torchrun --nproc_per_node 2 train.py --fsdp --config configs/tiny.yaml   # FSDP over gloo
+    python train.py --config configs/tiny.yaml   # no launcher: one process, a world of one
+
+`ds_configs/<name>.json` and `configs/<name>.yaml` are found from any directory (a file at
+that path from the working directory wins).
 
 Settings: the defaults in `TrainConfig` (coat_ds/run_config.py), then a YAML file
 (`--config`), then flags (`--max-steps 100`); every value, and the DeepSpeed JSON, is checked
@@ -165,7 +169,7 @@ def train_device() -> torch.device:
 
 def init_fsdp_distributed() -> None:
     """One process per GPU (NCCL) or CPU process (gloo), launched by torchrun; a plain
-    `python train.py --fsdp` runs as a group of one (see `init_distributed`)."""
+    `python train.py --fsdp` runs as a group of one (see `launch_env`)."""
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -187,14 +191,13 @@ def say_before_group(line: str | None) -> None:
         print(line, flush=True)
 
 
-def init_distributed(engine: str) -> None:
-    """The engine's process group: the launcher's, or without one (plain `python train.py`)
-    a world of one, as torchrun --nproc_per_node 1 would set it up."""
+def launch_env(engine: str) -> None:
+    """The launcher's variables, or without one (plain `python train.py`) those of a world of
+    one, as torchrun --nproc_per_node 1 would set them."""
     try:
         say_before_group(single_process_world(mpi=engine == "deepspeed"))  # DeepSpeed reads an MPI launch
     except RuntimeError as e:
         raise SystemExit(str(e)) from None
-    (init_deepspeed_distributed if engine == "deepspeed" else init_fsdp_distributed)()
 
 
 def quiet_known_warnings() -> None:
@@ -241,15 +244,23 @@ def evaluate(cfg: TrainConfig, runner: Runner, data: TokenData, rank: int) -> fl
     return mean_over_ranks(losses)
 
 
+def first_step_note(cfg: TrainConfig, runner: Runner) -> str:
+    """Why the first step is slow, where it is: CoatAdamW stepping host tensors loads its C++
+    kernel there, built on a machine's first use."""
+    if runner.device.type != "cpu" or read_ds_settings(cfg.deepspeed, 1).optimizer_type != "CoatAdamW":
+        return ""
+    return " (the first step also loads CoatAdamW's C++ host step, built with g++ once per machine: 5-16 s)"
+
+
+def settings_lines(cfg: TrainConfig) -> list[str]:
+    """What the run will do, printed first (before the process group and its op build)."""
+    lines = ["resolved config:\n" + yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False), checkpoint_plan(cfg)]
+    return lines + [line for line in [clipping_off_note(cfg.deepspeed)] if line]
+
+
 def train(cfg: TrainConfig) -> None:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     say = print if rank == 0 else (lambda *a, **k: None)
-    say("resolved config:\n" + yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False), flush=True)
-    say(checkpoint_plan(cfg), flush=True)
-    clip_note = clipping_off_note(cfg.deepspeed)
-    if clip_note:
-        say(clip_note, flush=True)
-
     data_cfg = DataConfig(cfg.data, cfg.bin_dtype, cfg.val_fraction, cfg.max_data_bytes)
     say(f"loading data: {data_cfg.describe()}", flush=True)
     data = load_data(data_cfg)
@@ -306,6 +317,8 @@ def train(cfg: TrainConfig) -> None:
         runner.save(cfg.save_dir, f"step{step}", {"step": step, "train_config": dataclasses.asdict(cfg)})
         say(f"saved checkpoint {cfg.save_dir}/step{step}", flush=True)
 
+    say(f"training steps {start + 1} to {cfg.max_steps}, a log line every {cfg.log_interval} steps{first_step_note(cfg, runner)}",
+        flush=True)
     t0, t_start, window = time.perf_counter(), time.perf_counter(), []
     for step in range(start, cfg.max_steps):
         for micro in range(runner.grad_accum):
@@ -354,7 +367,10 @@ def train(cfg: TrainConfig) -> None:
 def main(argv=None) -> None:
     cfg = parse_config(sys.argv[1:] if argv is None else argv, description=__doc__)
     quiet_known_warnings()
-    init_distributed(cfg.engine)
+    launch_env(cfg.engine)
+    for line in settings_lines(cfg):
+        say_before_group(line)
+    (init_deepspeed_distributed if cfg.engine == "deepspeed" else init_fsdp_distributed)()
     train(cfg)
     shutdown_distributed()
 
