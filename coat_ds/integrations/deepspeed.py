@@ -3,7 +3,11 @@
 DeepSpeed's `optimizer.type` only resolves its own optimizers or `torch.optim.<Name>`, so
 `initialize` reads the config itself: for `"type": "CoatAdamW"` it builds the optimizer from
 `optimizer.params`, removes the section from what DeepSpeed sees and passes the instance as a
-client optimizer. Nothing in DeepSpeed or torch.optim is patched.
+client optimizer. Nothing in DeepSpeed or torch.optim is patched; the one addition is
+CoatAdamW's entry in DeepSpeed's list of ZeRO-tested optimizers (`mark_zero_tested`), which
+its ZeRO check reads. A config path `ds_configs/<name>.json` that does not exist from the
+working directory is the shipped file; a process that no launcher started runs as a world of
+one (`single_process_world`).
 
 What ZeRO hands a client optimizer (DeepSpeed 0.19.8, checked by tests/test_deepspeed*.py):
 ZeRO-1/2 replace each param group's params by ONE flat FP32 tensor, this rank's partition
