@@ -37,6 +37,7 @@ import yaml
 from coat_ds import Fp8LinearConfig, compress_activations, convert_to_fp8_linear
 from coat_ds.checkpoint import check_new_checkpoints
 from coat_ds.data import DataConfig, TokenData, batch_seed, load_data
+from coat_ds.ds_json import load_ds_config
 from coat_ds.engines import clipping_off_note, read_ds_settings, shutdown_distributed
 from coat_ds.integrations.deepspeed import comm_op_build_note, single_process_world
 from coat_ds.metrics import MetricsLog
@@ -247,7 +248,8 @@ def evaluate(cfg: TrainConfig, runner: Runner, data: TokenData, rank: int) -> fl
 def first_step_note(cfg: TrainConfig, runner: Runner) -> str:
     """Why the first step is slow, where it is: CoatAdamW stepping host tensors loads its C++
     kernel there, built on a machine's first use."""
-    if runner.device.type != "cpu" or read_ds_settings(cfg.deepspeed, 1).optimizer_type != "CoatAdamW":
+    optimizer = load_ds_config(cfg.deepspeed).get("optimizer") or {}
+    if runner.device.type != "cpu" or str(optimizer.get("type", "")).lower() != "coatadamw":
         return ""
     return " (the first step also loads CoatAdamW's C++ host step, built with g++ once per machine: 5-16 s)"
 
@@ -317,8 +319,8 @@ def train(cfg: TrainConfig) -> None:
         runner.save(cfg.save_dir, f"step{step}", {"step": step, "train_config": dataclasses.asdict(cfg)})
         say(f"saved checkpoint {cfg.save_dir}/step{step}", flush=True)
 
-    say(f"training steps {start + 1} to {cfg.max_steps}, a log line every {cfg.log_interval} steps{first_step_note(cfg, runner)}",
-        flush=True)
+    say(f"training steps {start + 1} to {cfg.max_steps}, a log line every {cfg.log_interval} steps"
+        f"{first_step_note(cfg, runner)}", flush=True)
     t0, t_start, window = time.perf_counter(), time.perf_counter(), []
     for step in range(start, cfg.max_steps):
         for micro in range(runner.grad_accum):
