@@ -7,6 +7,10 @@
     DS_ACCELERATOR=cpu deepspeed --num_accelerators 2 train.py \\
         --deepspeed ds_configs/coat_zero2.json --config configs/tiny.yaml
     torchrun --nproc_per_node 2 train.py --fsdp --config configs/tiny.yaml   # FSDP over gloo
+    python train.py --config configs/tiny.yaml   # no launcher: one process, a world of one
+
+`ds_configs/<name>.json` and `configs/<name>.yaml` are found from any directory (a file at
+that path from the working directory wins).
 
 Settings: the defaults in `TrainConfig` (coat_ds/run_config.py), then a YAML file
 (`--config`), then flags (`--max-steps 100`); every value, and the DeepSpeed JSON, is checked
@@ -22,6 +26,7 @@ import os
 import resource
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -32,7 +37,9 @@ import yaml
 from coat_ds import Fp8LinearConfig, compress_activations, convert_to_fp8_linear
 from coat_ds.checkpoint import check_new_checkpoints
 from coat_ds.data import DataConfig, TokenData, batch_seed, load_data
-from coat_ds.engines import read_ds_settings, shutdown_distributed
+from coat_ds.ds_json import load_ds_config
+from coat_ds.engines import clipping_off_note, read_ds_settings, shutdown_distributed
+from coat_ds.integrations.deepspeed import comm_op_build_note, single_process_world
 from coat_ds.metrics import MetricsLog
 from coat_ds.model import Llama, model_config
 from coat_ds.run_config import TrainConfig, checkpoint_plan, parse_config
@@ -163,14 +170,43 @@ def train_device() -> torch.device:
 
 def init_fsdp_distributed() -> None:
     """One process per GPU (NCCL) or CPU process (gloo), launched by torchrun; a plain
-    `python train.py --fsdp` runs as a group of one."""
+    `python train.py --fsdp` runs as a group of one (see `launch_env`)."""
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend)
-    else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def init_deepspeed_distributed() -> None:
+    import deepspeed
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # one line per machine: the ranks there share the build
+        say_before_group(comm_op_build_note())
+    deepspeed.init_distributed()
+
+
+def say_before_group(line: str | None) -> None:
+    """Print `line` on rank 0 before any process group exists (the launcher's RANK says which)."""
+    if line and os.environ.get("RANK", "0") == "0":
+        print(line, flush=True)
+
+
+def launch_env(engine: str) -> None:
+    """The launcher's variables, or without one (plain `python train.py`) those of a world of
+    one, as torchrun --nproc_per_node 1 would set them."""
+    try:
+        say_before_group(single_process_world(mpi=engine == "deepspeed"))  # DeepSpeed reads an MPI launch
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
+
+
+def quiet_known_warnings() -> None:
+    """DeepSpeed's ZeRO calls `torch.distributed.all_gather_into_tensor`, deprecated in torch
+    2.13: every rank would print torch's FutureWarning at the first step, about code that is
+    neither the user's nor ours. Only that message is silenced."""
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+                            category=FutureWarning, module=r"torch\.distributed\.c10d_logger")
 
 
 ENGINES = {"deepspeed": setup_deepspeed, "fsdp": setup_fsdp_engine}
@@ -209,13 +245,27 @@ def evaluate(cfg: TrainConfig, runner: Runner, data: TokenData, rank: int) -> fl
     return mean_over_ranks(losses)
 
 
+def first_step_note(cfg: TrainConfig, runner: Runner) -> str:
+    """Why the first step is slow, where it is: CoatAdamW stepping host tensors loads its C++
+    kernel there, built on a machine's first use."""
+    optimizer = load_ds_config(cfg.deepspeed).get("optimizer") or {}
+    if runner.device.type != "cpu" or str(optimizer.get("type", "")).lower() != "coatadamw":
+        return ""
+    return " (the first step also loads CoatAdamW's C++ host step, built with g++ once per machine: 5-16 s)"
+
+
+def settings_lines(cfg: TrainConfig) -> list[str]:
+    """What the run will do, printed first (before the process group and its op build)."""
+    lines = ["resolved config:\n" + yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False), checkpoint_plan(cfg)]
+    return lines + [line for line in [clipping_off_note(cfg.deepspeed)] if line]
+
+
 def train(cfg: TrainConfig) -> None:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     say = print if rank == 0 else (lambda *a, **k: None)
-    say("resolved config:\n" + yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False), flush=True)
-    say(checkpoint_plan(cfg), flush=True)
-
-    data = load_data(DataConfig(cfg.data, cfg.bin_dtype, cfg.val_fraction, cfg.max_data_bytes))
+    data_cfg = DataConfig(cfg.data, cfg.bin_dtype, cfg.val_fraction, cfg.max_data_bytes)
+    say(f"loading data: {data_cfg.describe()}", flush=True)
+    data = load_data(data_cfg)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     mcfg = model_config(cfg.preset, vocab_size=max(256, data.vocab_size), max_seq_len=max(cfg.seq_len, 1))
     # Initialised where it trains: a 7B model's CPU init takes minutes per rank (one OpenMP
@@ -243,6 +293,7 @@ def train(cfg: TrainConfig) -> None:
         for block in model.blocks:
             block.compile()
 
+    say(f"setting up the {cfg.engine} engine with {cfg.deepspeed}", flush=True)
     runner = ENGINES[cfg.engine](cfg, model)
     start = 0
     if cfg.resume:
@@ -268,6 +319,8 @@ def train(cfg: TrainConfig) -> None:
         runner.save(cfg.save_dir, f"step{step}", {"step": step, "train_config": dataclasses.asdict(cfg)})
         say(f"saved checkpoint {cfg.save_dir}/step{step}", flush=True)
 
+    say(f"training steps {start + 1} to {cfg.max_steps}, a log line every {cfg.log_interval} steps"
+        f"{first_step_note(cfg, runner)}", flush=True)
     t0, t_start, window = time.perf_counter(), time.perf_counter(), []
     for step in range(start, cfg.max_steps):
         for micro in range(runner.grad_accum):
@@ -315,14 +368,11 @@ def train(cfg: TrainConfig) -> None:
 
 def main(argv=None) -> None:
     cfg = parse_config(sys.argv[1:] if argv is None else argv, description=__doc__)
-    if cfg.engine == "deepspeed":
-        import deepspeed
-
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        deepspeed.init_distributed()
-    else:
-        init_fsdp_distributed()
+    quiet_known_warnings()
+    launch_env(cfg.engine)
+    for line in settings_lines(cfg):
+        say_before_group(line)
+    (init_deepspeed_distributed if cfg.engine == "deepspeed" else init_fsdp_distributed)()
     train(cfg)
     shutdown_distributed()
 

@@ -35,6 +35,14 @@ class DataConfig:
         if self.max_bytes <= 0:
             raise ValueError(f"max_bytes must be > 0, got {self.max_bytes!r}")
 
+    def describe(self) -> str:
+        """What `load_data` will read, for the line printed before it does."""
+        if self.source == "stdlib":
+            return (f"Python's standard-library sources under {sysconfig.get_paths()['stdlib']}, up to "
+                    f"{self.max_bytes:,} bytes, {self.val_fraction:g} of the files held out")
+        kind = f"pre-tokenised {self.bin_dtype} tokens" if self.source.endswith(".bin") else "text, as bytes"
+        return f"{self.source} ({kind}), the last {self.val_fraction:g} held out"
+
 
 @dataclass(frozen=True)
 class TokenData:

@@ -22,8 +22,8 @@ from .ds_json import batch_sizes, check_keys, gradient_clipping, load_ds_config,
 from .integrations.deepspeed import prepare_config
 from .optim import CoatAdamW
 
-__all__ = ["DsTrainSettings", "read_ds_settings", "optimizer_settings", "build_optimizer", "optimizer_state_bytes",
-           "shutdown_distributed"]
+__all__ = ["DsTrainSettings", "read_ds_settings", "clipping_off_note", "optimizer_settings", "build_optimizer",
+           "optimizer_state_bytes", "shutdown_distributed"]
 
 # DeepSpeed's own switches in an Adam/AdamW `params` section that torch.optim does not take:
 # `torch_adam` picks torch's implementation (what we use anyway), `adam_w_mode` is read below.
@@ -103,6 +103,16 @@ def _check_torch_adam_keys(kind: str, section: dict) -> None:
     known = tuple(n for n in inspect.signature(_OPTIMIZERS[kind]).parameters if n != "params")
     check_keys(f"optimizer.params of {section['type']}", section.get("params") or {},
                known + _DEEPSPEED_ONLY_ADAM_KEYS, source="")
+
+
+def clipping_off_note(path) -> str | None:
+    """The log line for a JSON whose `gradient_clipping` is <= 0, which turns clipping off
+    (DeepSpeed clips only above 0, and both engines follow it), else None."""
+    clip = load_ds_config(path).get("gradient_clipping")
+    if isinstance(clip, (int, float)) and not isinstance(clip, bool) and clip <= 0:
+        return (f"gradient clipping: OFF (gradient_clipping is {clip} in {_where(path)}; a value <= 0 turns it off, "
+                "as in DeepSpeed)")
+    return None
 
 
 def _where(path) -> str:

@@ -21,6 +21,7 @@ import yaml
 from .checks import ConfigError, boolean, choice, integer, number, text
 from .engines import read_ds_settings
 from .model import PRESETS
+from .shipped_configs import find_ds_config, find_train_preset
 
 __all__ = ["TrainConfig", "ENGINE_NAMES", "parse_config", "build_parser", "checkpoint_plan", "field_docs"]
 
@@ -154,6 +155,10 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
 
 def _read_yaml(path: str) -> dict:
     try:
+        path = find_train_preset(path)
+    except FileNotFoundError as e:
+        raise SystemExit(f"--config: {e}") from None
+    try:
         with open(path) as fh:
             values = yaml.safe_load(fh)
     except OSError as e:
@@ -195,6 +200,9 @@ def parse_config(argv: list[str], description: str | None = None) -> TrainConfig
     except ConfigError as e:
         raise SystemExit(f"{origin.get(e.key, 'settings')}: {e}") from None
     try:
+        # The shipped JSON when `ds_configs/<name>.json` is not there from here: the default works
+        # from any directory, and every later reader (engines, planner, log) sees the file used.
+        cfg = dataclasses.replace(cfg, deepspeed=find_ds_config(cfg.deepspeed))
         ds = read_ds_settings(cfg.deepspeed, _world_size(), engine=cfg.engine)
     except (OSError, ValueError) as e:
         raise SystemExit(f"--deepspeed: {e}") from None

@@ -48,3 +48,15 @@ def test_coat_ds_deepspeed_needs_no_extra_import(monkeypatch):
     assert callable(coat_ds.deepspeed.initialize)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         coat_ds.nope
+
+
+def test_mark_zero_tested_adds_only_the_zero_entry(clean_registry):
+    # What coat_ds.deepspeed.initialize does on its own: DeepSpeed's ZeRO check then knows
+    # CoatAdamW (no "untested optimizer" warning), and torch.optim stays as it was.
+    from coat_ds.integrations.deepspeed_registry import is_registered, mark_zero_tested
+
+    before = list(clean_registry.ZERO_SUPPORTED_OPTIMIZERS)
+    mark_zero_tested()
+    mark_zero_tested()
+    assert clean_registry.ZERO_SUPPORTED_OPTIMIZERS == before + [coat_ds.CoatAdamW]
+    assert not hasattr(torch.optim, "CoatAdamW") and not is_registered()

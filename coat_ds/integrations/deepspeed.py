@@ -3,7 +3,11 @@
 DeepSpeed's `optimizer.type` only resolves its own optimizers or `torch.optim.<Name>`, so
 `initialize` reads the config itself: for `"type": "CoatAdamW"` it builds the optimizer from
 `optimizer.params`, removes the section from what DeepSpeed sees and passes the instance as a
-client optimizer. Nothing in DeepSpeed or torch.optim is patched.
+client optimizer. Nothing in DeepSpeed or torch.optim is patched; the one addition is
+CoatAdamW's entry in DeepSpeed's list of ZeRO-tested optimizers (`mark_zero_tested`), which
+its ZeRO check reads. A config path `ds_configs/<name>.json` that does not exist from the
+working directory is the shipped file; a process that no launcher started runs as a world of
+one (`single_process_world`).
 
 What ZeRO hands a client optimizer (DeepSpeed 0.19.8, checked by tests/test_deepspeed*.py):
 ZeRO-1/2 replace each param group's params by ONE flat FP32 tensor, this rank's partition
@@ -15,8 +19,11 @@ CoatAdamW's per-tensor state (FP8 codes, scales, `step`) stays keyed to the righ
 from __future__ import annotations
 
 import copy
+import difflib
+import importlib.util
 import inspect
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -25,12 +32,18 @@ from ..config import OptimStateConfig
 from ..ds_json import batch_keys, check_keys, load_ds_config
 from ..optim import CoatAdamW
 from ..optim import state as st
+from ..shipped_configs import find_ds_config
+from .deepspeed_registry import mark_zero_tested
 
 __all__ = [
     "OPTIMIZER_TYPE",
     "OPTIMIZER_PARAMS",
     "prepare_config",
     "initialize",
+    "LAUNCH_VARS",
+    "LAUNCH_HINT",
+    "single_process_world",
+    "comm_op_build_note",
     "coat_optimizer",
     "local_partitions",
     "group_state_config",
@@ -92,6 +105,87 @@ def prepare_config(config) -> tuple[dict, dict | None]:
     return ds, kwargs
 
 
+# What torchrun and the deepspeed launcher set in every process they start.
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+# What MPI launchers set instead (Open MPI, MPICH / Intel MPI, PMIx, MVAPICH); DeepSpeed turns
+# them into LAUNCH_VARS through mpi4py.
+_MPI_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
+LAUNCH_HINT = ("start it with `deepspeed script.py` (CPU: `DS_ACCELERATOR=cpu deepspeed --num_accelerators 2 "
+               "script.py`) or `torchrun --nproc_per_node N script.py`")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def single_process_world(mpi: bool = True) -> str | None:
+    """Give a process that no launcher started the environment `torchrun --nproc_per_node 1`
+    would: RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, LOCAL_WORLD_SIZE=1, MASTER_ADDR=127.0.0.1 and a
+    free MASTER_PORT (a MASTER_ADDR/PORT already set is kept). Without it DeepSpeed's
+    `init_distributed` looks for an MPI launch and fails on a missing `mpi4py`.
+
+    Returns the log line saying so, or None when there is nothing to do: a process group
+    already exists, the launcher variables are all set, or (with `mpi`, for DeepSpeed, which
+    reads an MPI launch through mpi4py) an MPI launcher started the process. Raises
+    RuntimeError, one line naming the launcher command, where one process cannot stand in:
+    launcher variables half set, or an MPI launch that cannot be read."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return None
+    present = [v for v in LAUNCH_VARS if v in os.environ]
+    ranks = [v for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if v in os.environ]
+    if len(present) == len(LAUNCH_VARS):
+        return None
+    if ranks:
+        missing = [v for v in LAUNCH_VARS if v not in os.environ]
+        raise RuntimeError(f"launcher variables half set ({', '.join(f'{v}={os.environ[v]}' for v in present)}; "
+                           f"missing {', '.join(missing)}): {LAUNCH_HINT}, or unset them to run as one process")
+    launched = [v for v in _MPI_VARS if v in os.environ]
+    if launched:
+        mpi_world = f"{launched[0]}={os.environ[launched[0]]}"
+        if not mpi:
+            raise RuntimeError(f"started by an MPI launcher ({mpi_world}), which this engine cannot read: "
+                               "start it with `torchrun --nproc_per_node N script.py`")
+        if importlib.util.find_spec("mpi4py") is None:
+            raise RuntimeError(f"started by an MPI launcher ({mpi_world}) but mpi4py, which DeepSpeed reads it "
+                               f"with, is not installed: `pip install mpi4py`, or {LAUNCH_HINT}")
+        return None
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    return (f"no launcher: running as one process, a world of one (RANK=0 WORLD_SIZE=1 MASTER_ADDR="
+            f"{os.environ['MASTER_ADDR']} MASTER_PORT={os.environ['MASTER_PORT']}, as torchrun --nproc_per_node 1 "
+            f"would set it); for more processes {LAUNCH_HINT}")
+
+
+def comm_op_build_note() -> str | None:
+    """The line to print before DeepSpeed starts its process group when that will JIT-build
+    its CPU accelerator's shared-memory op first (`deepspeed_shm_comm`, with the system C++
+    compiler; once per machine, then cached), else None."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import installed_ops
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False) or \
+            installed_ops.get(builder.NAME, False):
+        return None
+    try:  # torch's own rule for where load() puts it (private, so a guess when it moves)
+        from torch.utils.cpp_extension import _get_build_directory
+
+        folder = _get_build_directory(builder.NAME, verbose=False)
+        if os.path.isfile(os.path.join(folder, f"{builder.NAME}.so")):
+            return None
+        where = f" in {folder}"
+    except (ImportError, AttributeError, TypeError):
+        where = " under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions)"
+    return (f"DeepSpeed: building its CPU shared-memory comm op ({builder.NAME}) with the C++ compiler: a one-time "
+            f"build, about 2 minutes on 2 cores; cached{where} for later runs")
+
+
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, *, config=None, config_params=None,
                **kwargs):
     """Drop-in for `deepspeed.initialize` that also understands `"type": "CoatAdamW"`.
@@ -110,6 +204,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, *, 
         args.deepspeed_config = None  # deepspeed.initialize refuses a config given twice
     if config is None:
         raise ValueError("no DeepSpeed config: pass config= or args.deepspeed_config")
+    if isinstance(config, (str, os.PathLike)):
+        config = find_ds_config(config)  # `ds_configs/<name>.json` from any directory
     ds_config, coat_kwargs = prepare_config(config)
     if coat_kwargs is not None:
         if optimizer is not None:
@@ -118,12 +214,21 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, *, 
             model_parameters = [p for p in model.parameters() if p.requires_grad]
         model_parameters = list(model_parameters)  # CoatAdamW and DeepSpeed both iterate it
         optimizer = CoatAdamW(model_parameters, **coat_kwargs)
+    mark_zero_tested()  # CoatAdamW is tested under ZeRO: no "untested optimizer" warning for it
+    _announce(single_process_world())
+    if not deepspeed.comm.is_initialized() and os.environ.get("LOCAL_RANK", "0") == "0":
+        _announce(comm_op_build_note())
     result = deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                                   config=ds_config, **kwargs)
     if coat_kwargs is not None:
         # Every rank prints: partitions differ (the last rank holds the padding).
         print(state_memory_report(result[0]).describe(), flush=True)
     return result
+
+
+def _announce(line: str | None) -> None:
+    if line:
+        print(line, flush=True)
 
 
 def coat_optimizer(engine) -> CoatAdamW | None:

@@ -20,7 +20,7 @@ import torch
 
 from ..optim import CoatAdamW
 
-__all__ = ["register_deepspeed", "is_registered"]
+__all__ = ["register_deepspeed", "mark_zero_tested", "is_registered"]
 
 NAME = "CoatAdamW"
 
@@ -33,12 +33,20 @@ def register_deepspeed() -> None:
     `zero_allow_untested_optimizer`). Nothing else in torch or DeepSpeed changes.
 
     Raises RuntimeError if `torch.optim.CoatAdamW` already names something else."""
-    from deepspeed.runtime.zero import utils as zero_utils
-
     existing = getattr(torch.optim, NAME, None)
     if existing is not None and existing is not CoatAdamW:
         raise RuntimeError(f"torch.optim.{NAME} is already set to {existing!r}; not replacing it")
     setattr(torch.optim, NAME, CoatAdamW)
+    mark_zero_tested()
+
+
+def mark_zero_tested() -> None:
+    """Add `coat_ds.CoatAdamW` to DeepSpeed's `ZERO_SUPPORTED_OPTIMIZERS` (idempotent): it is
+    tested under ZeRO-1/2/3 and offload, and DeepSpeed warns "You are using ZeRO with an
+    untested optimizer, proceed with caution" for any optimizer type not on that list.
+    `coat_ds.deepspeed.initialize` does this on its own."""
+    from deepspeed.runtime.zero import utils as zero_utils
+
     if CoatAdamW not in zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
         zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(CoatAdamW)
 
