@@ -19,7 +19,6 @@ CoatAdamW's per-tensor state (FP8 codes, scales, `step`) stays keyed to the righ
 from __future__ import annotations
 
 import copy
-import difflib
 import importlib.util
 import inspect
 import os
