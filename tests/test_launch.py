@@ -45,6 +45,7 @@ def no_launcher(monkeypatch):
 
 # -- plain python, from another directory ----------------------------------------------------
 
+@pytest.mark.slow
 def test_train_py_deepspeed_plain_python_from_another_directory(tmp_path):
     # Its own defaults (ds_configs/coat_zero2.json) and configs/tiny.yaml, named as in the README.
     proc = _run_bare([sys.executable, TRAIN, "--config", "configs/tiny.yaml", "--max-steps", "2",
@@ -63,6 +64,7 @@ def test_train_py_deepspeed_plain_python_from_another_directory(tmp_path):
     assert "gradient clipping: OFF" not in out  # the shipped JSON clips at 1.0
 
 
+@pytest.mark.slow
 def test_train_py_fsdp_plain_python_says_clipping_is_off_once(tmp_path):
     ds = json.load(open(os.path.join(ROOT, "ds_configs", "coat_zero2.json")))
     ds["gradient_clipping"] = -1.0
@@ -75,6 +77,7 @@ def test_train_py_fsdp_plain_python_says_clipping_is_off_once(tmp_path):
     assert "gradient clipping: OFF (gradient_clipping is -1.0 in noclip.json; a value <= 0 turns it off" in out
 
 
+@pytest.mark.slow
 def test_deepspeed_initialize_plain_python_from_another_directory(tmp_path):
     script = tmp_path / "snippet.py"
     script.write_text(

@@ -27,6 +27,7 @@ def test_help_shows_a_doc_line_for_every_config_field(cls):
         assert line is not None and len(line.group(1).split()) >= 2, f"{cls.__name__}.{field.name} has no doc line"
 
 
+@pytest.mark.slow
 def test_deepspeed_initialize_has_the_real_signature_without_loading_deepspeed():
     # A fresh interpreter: this one may have imported DeepSpeed for other tests.
     code = (
