@@ -1,177 +1,331 @@
-"""Optimizer-step benchmark: CoatAdamW vs torch.optim.AdamW(fused=True), side by side.
+"""Optimizer step: CoatAdamW against torch AdamW and the 8-bit peers, on the GPU and on the host.
 
-    python bench/optim_step.py [--numel 1.345e9] [--iters 20] [--out results.json] [--portable] [--peers]
+    python bench/optim_step.py [--numel 1.345e9] [--iters 30] [--portable] [--peers] [--sweep]
+    python bench/optim_step.py --tree .oldwt --iters 30          # same-call A/B with another checkout
+    python bench/optim_step.py --host [--numel 8388608] [--iters 7] [--fallback] [--whole] [--no-ds]
+    python bench/optim_step.py --stub-launch [--profile]          # CPU: host bookkeeping, launch stubbed
+    python bench/optim_step.py --loop [--compile]                 # the step inside a training loop
 
-Times (CUDA events, median) one step on (a) one flat FP32 tensor, what ZeRO hands an
-optimizer, and (b) a Llama-1.3B-shaped list of 219 tensors; prints ms/step, state bytes per
-parameter and achieved bandwidth against a device-to-device copy measured in the same run.
---portable adds CoatAdamW with the portable FP8 coding forced (what GPUs before compute
-capability 8.9 run) and prints its time against the hardware conversions' (target <= 1.3x).
+GPU (default): one flat FP32 tensor (what ZeRO hands an optimizer) and a Llama-1.3B-shaped list
+of 219 tensors; median of CUDA-event-timed steps, state bytes per parameter, bandwidth against a
+device copy of the same run, ratios against torch AdamW(fused=True). --portable adds CoatAdamW
+with the portable FP8 coding forced (GPUs before compute capability 8.9); --peers adds torchao
+AdamWFp8 / AdamW8bit and bitsandbytes AdamW8bit (state: what their first step allocated).
+--host: ZeRO-Offload's host step on one flat CPU partition, the cases timed in turns, against
+torch AdamW(foreach=True) (and DeepSpeedCPUAdam where it builds). --stub-launch: the Python work
+per tensor that a GPU step pays before its launch, on CPU, with the Triton launch removed.
+--loop: phases of the 350m preset's training step (12 x 1024 tokens, BF16 autocast, an LR that
+changes every step, clipping, loss.item()), torch AdamW vs CoatAdamW vs CoatAdamW + FP8 activations.
 """
 from __future__ import annotations
 
 import argparse
 import gc
-import json
+import os
 import statistics
 import sys
-from pathlib import Path
+import time
 
+import _common as C
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from coat_ds import CoatAdamW  # noqa: E402
-from coat_ds.kernels import set_fp8_conversions  # noqa: E402
 
 
 def llama_shapes(hidden=2048, layers=24, ffn=5504, vocab=32000) -> list[tuple[int, ...]]:
-    shapes = [(vocab, hidden)]
-    for _ in range(layers):
-        shapes += [(hidden,), (hidden, hidden), (hidden, hidden), (hidden, hidden), (hidden, hidden),
-                   (hidden,), (ffn, hidden), (ffn, hidden), (hidden, ffn)]
-    return shapes + [(hidden,), (vocab, hidden)]
+    layer = [(hidden,), (hidden, hidden), (hidden, hidden), (hidden, hidden), (hidden, hidden), (hidden,),
+             (ffn, hidden), (ffn, hidden), (hidden, ffn)]
+    return [(vocab, hidden)] + layer * layers + [(hidden,), (vocab, hidden)]
 
 
-def time_ms(fn, iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+def make_optimizer(name: str, params):
+    from coat_ds import CoatAdamW
 
-
-def copy_bandwidth(nbytes: int = 4 << 30) -> float:
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), 10)
-    del src, dst
-    return 2 * nbytes / ms / 1e9  # TB/s: read + write
-
-
-def _torchao(name):
-    def make(params):
+    kw = dict(lr=1e-4, weight_decay=0.01)
+    if name == "torch_fused":
+        return torch.optim.AdamW(params, fused=True, **kw)
+    if name.startswith("torchao_"):
         from torchao import optim
 
-        return getattr(optim, name)(params, lr=1e-4, weight_decay=0.01)
-    return make
+        return getattr(optim, name[len("torchao_"):])(params, **kw)
+    if name == "bnb_AdamW8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, **kw)
+    return CoatAdamW(params, **kw)
 
 
-def _bnb_adamw8bit(params):
-    import bitsandbytes as bnb
-
-    return bnb.optim.AdamW8bit(params, lr=1e-4, weight_decay=0.01)
+PEERS = ("torchao_AdamWFp8", "torchao_AdamW8bit", "bnb_AdamW8bit")
 
 
-# What users pick instead of CoatAdamW (--peers; their wheels travel with bench/prepare_wheels.sh).
-PEERS = {"torchao_AdamWFp8": _torchao("AdamWFp8"), "torchao_AdamW8bit": _torchao("AdamW8bit"),
-         "bnb_AdamW8bit": _bnb_adamw8bit}
-
-
-def run_case(name: str, shapes, opt_name: str, iters: int) -> dict:
+def gpu_case(case: str, shapes, name: str, iters: int) -> dict:
     torch.manual_seed(0)
     params = [torch.randn(s, device="cuda") * 0.02 for s in shapes]
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
     before = torch.cuda.memory_allocated()
-    if opt_name == "torch_fused":
-        opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
-    elif opt_name in PEERS:
-        opt = PEERS[opt_name](params)
-    else:
-        opt = CoatAdamW(params, lr=1e-4, weight_decay=0.01)
-    set_fp8_conversions("portable" if opt_name == "coat_portable" else "auto")
+    opt = make_optimizer(name, params)
+    if name == "coat_portable":  # imported here only: trees before issue 17 lack it (--tree)
+        from coat_ds.kernels import set_fp8_conversions
+
+        set_fp8_conversions("portable")
     try:
-        opt.step()  # allocate state, compile
+        opt.step()  # state allocated, kernels compiled
         torch.cuda.synchronize()
-        allocated = torch.cuda.memory_allocated() - before
-        if opt_name.startswith("coat"):
+        first_step_bytes = torch.cuda.memory_allocated() - before
+        if name.startswith("coat"):
             torch.cuda.set_sync_debug_mode("error")  # a host sync inside step() raises
-        ms = time_ms(opt.step, iters)
+        ms = C.median_ms(opt.step, iters)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-        set_fp8_conversions(None)
+        if name == "coat_portable":
+            set_fp8_conversions(None)
     numel = sum(p.numel() for p in params)
-    if opt_name in PEERS:
-        # Their states are tensor subclasses or packed buffers: count what the first step allocated.
-        state = allocated
-    else:
-        state = sum(t.numel() * t.element_size() for s in opt.state.values() for k, t in s.items()
-                    if torch.is_tensor(t) and k != "step")
-    out = {"case": name, "optimizer": opt_name, "tensors": len(params), "numel": numel, "ms": ms,
-           "state_bytes_per_param": state / numel}
+    # The peers' states are tensor subclasses or packed buffers: count what the first step allocated.
+    state = first_step_bytes if name in PEERS else sum(
+        t.numel() * t.element_size() for s in opt.state.values() for k, t in s.items() if torch.is_tensor(t) and k != "step")
     del opt, params
     gc.collect()
     torch.cuda.empty_cache()
-    return out
+    return {"case": case, "optimizer": name, "numel": numel, "ms": ms, "state_bytes_per_param": state / numel}
 
 
-def sweep(shapes, iters: int) -> None:
-    """Time CoatAdamW's step for each (groups per program, warps) launch shape."""
+def run_gpu(args) -> dict:
     from coat_ds.kernels import adamw
 
-    default = adamw.STEP_BLOCK_GROUPS, adamw.STEP_WARPS
-    for bg, nw in [(8, 4), (16, 4), (16, 8), (32, 8)]:
-        adamw.STEP_BLOCK_GROUPS, adamw.STEP_WARPS = bg, nw
-        r = run_case("flat", shapes, "coat", iters)
-        print(f"sweep BG={bg} warps={nw}: {r['ms']:.2f} ms", flush=True)
-    adamw.STEP_BLOCK_GROUPS, adamw.STEP_WARPS = default
+    if args.sweep:  # launch shapes (groups per program, warps) on the flat case
+        default = adamw.STEP_BLOCK_GROUPS, adamw.STEP_WARPS
+        for shape in [(8, 4), (16, 4), (16, 8), (32, 8)]:
+            adamw.STEP_BLOCK_GROUPS, adamw.STEP_WARPS = shape
+            print(f"sweep groups/program, warps = {shape}: {gpu_case('flat', [(int(args.numel),)], 'coat', args.iters)['ms']:.2f} ms")
+        adamw.STEP_BLOCK_GROUPS, adamw.STEP_WARPS = default
+    names = ("torch_fused", "coat") + (("coat_portable",) if args.portable else ()) + (PEERS if args.peers else ())
+    rows = [gpu_case(case, shapes, name, args.iters) for case, shapes in
+            (("flat", [(int(args.numel),)]), ("llama-1.3B list", llama_shapes())) for name in names]
+    return {"device": torch.cuda.get_device_name(), "copy_tbs": C.copy_tbs(), "rows": rows}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--numel", type=float, default=1.345e9)
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--sweep", action="store_true", help="time launch shapes on the flat case first")
-    ap.add_argument("--portable", action="store_true",
-                    help="also time CoatAdamW with the portable (software) FP8 coding forced")
-    ap.add_argument("--peers", action="store_true", help=f"also time {', '.join(PEERS)} (state = bytes their first step allocated)")
-    args = ap.parse_args()
-    if args.sweep:
-        sweep([(int(args.numel),)], args.iters)
-    bw = copy_bandwidth()
-    rows = []
-    cases = [("flat", [(int(args.numel),)]), ("llama-1.3B list", llama_shapes())]
-    for name, shapes in cases:
-        for opt_name in (("torch_fused", "coat") + (("coat_portable",) if args.portable else ())
-                         + (tuple(PEERS) if args.peers else ())):
-            rows.append(run_case(name, shapes, opt_name, args.iters))
-            print(rows[-1], flush=True)
-    flat_coat = next(r["ms"] for r in rows if r["case"] == "flat" and r["optimizer"] == "coat")
-    print(f"\ndevice: {torch.cuda.get_device_name()}  copy bandwidth: {bw:.2f} TB/s (read+write)")
-    print("| case | optimizer | tensors | ms/step | state B/param | bytes moved/param | achieved TB/s | % of copy | vs fused AdamW |")
-    print("|---|---|---|---|---|---|---|---|---|")
+def gpu_table(res: dict) -> list[str]:
+    rows, bw = res["rows"], res["copy_tbs"]
+    lines = [f"{res['device']}: copy bandwidth {bw:.2f} TB/s (read + write)",
+             "| case | optimizer | ms/step | state B/param | achieved TB/s | % of copy | vs fused AdamW |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
-        moved = 16.0 if r["optimizer"].startswith("coat") else 28.0  # p r/w 8 + g 4 + moments r/w
-        if r["optimizer"] in PEERS:
-            moved = 12.0 + 2 * r["state_bytes_per_param"]
-        tbs = moved * r["numel"] / r["ms"] / 1e9
+        # Bytes moved per parameter: p read+write 8, g 4, moments read+write (FP32: 16; FP8 + scales: 4).
+        moved = 16.0 if r["optimizer"].startswith("coat") else 12.0 + 2 * r["state_bytes_per_param"]
         base = next(x["ms"] for x in rows if x["case"] == r["case"] and x["optimizer"] == "torch_fused")
-        r.update(bytes_moved_per_param=moved, achieved_tbs=tbs, copy_tbs=bw, speedup_vs_fused=base / r["ms"])
-        print(f"| {r['case']} | {r['optimizer']} | {r['tensors']} | {r['ms']:.2f} | {r['state_bytes_per_param']:.3f} | "
-              f"{moved:.0f} | {tbs:.2f} | {100 * tbs / bw:.0f}% | {base / r['ms']:.2f}x |")
-    floor_ms = 16.0 * rows[0]["numel"] / bw / 1e9
-    list_coat = next(r["ms"] for r in rows if r["case"] != "flat" and r["optimizer"] == "coat")
-    print(f"\nbandwidth floor (16 B/param at copy speed): {floor_ms:.2f} ms; flat CoatAdamW at "
-          f"{flat_coat / floor_ms:.2f}x the floor; list/flat = {list_coat / flat_coat:.2f}")
-    if args.portable:
-        print(f"\ncompute capability {'.'.join(map(str, torch.cuda.get_device_capability()))}; "
-              "portable FP8 coding vs hardware conversions (target <= 1.30x):")
-        print("| case | hardware ms | portable ms | portable / hardware |")
-        print("|---|---|---|---|")
-        for case, _ in cases:
-            hw = next(r["ms"] for r in rows if r["case"] == case and r["optimizer"] == "coat")
-            sw = next(r["ms"] for r in rows if r["case"] == case and r["optimizer"] == "coat_portable")
-            print(f"| {case} | {hw:.2f} | {sw:.2f} | {sw / hw:.2f}x |")
-    if args.out:
-        Path(args.out).write_text(json.dumps({"copy_tbs": bw, "rows": rows}, indent=1))
+        tbs = moved * r["numel"] / r["ms"] / 1e9
+        lines.append(f"| {r['case']} | {r['optimizer']} | {r['ms']:.2f} | {r['state_bytes_per_param']:.3f} | "
+                     f"{tbs:.2f} | {100 * tbs / bw:.0f}% | {base / r['ms']:.2f}x |")
+    return lines
+
+
+def run_host(args) -> dict:
+    """ZeRO-Offload's host step against torch AdamW(foreach=True), cases timed in turns."""
+    from coat_ds import CoatAdamW
+    from coat_ds.kernels import AdamWHyper, AdamWSlot, host, host_native
+    from coat_ds.kernels import reference as R
+
+    numel = int(args.numel or 8_388_608)
+
+    def param(seed=0):
+        g = torch.Generator().manual_seed(seed)
+        p = torch.nn.Parameter(torch.randn(numel, generator=g) * 0.02)
+        p.grad = torch.randn(numel, generator=g) * 1e-3
+        return p
+
+    steps = {"torch AdamW foreach": torch.optim.AdamW([param()], lr=1e-4, weight_decay=0.01, foreach=True).step,
+             "CoatAdamW host step": CoatAdamW([param()], lr=1e-4, weight_decay=0.01).step}
+    if host_native.library() is None:
+        raise SystemExit("the host kernel did not build (see the log line above)")
+    hyper = AdamWHyper.at_step(10, 1e-4, 0.9, 0.999, 1e-8, 0.01)
+
+    def slot():
+        p, zeros = param(), torch.zeros(numel)
+        return AdamWSlot(p.data, p.grad, R.quantize_groups(zeros), R.quantize_groups(zeros))
+
+    if args.fallback:
+        chunked = slot()
+        steps["fallback: chunked reference"] = lambda: host.adamw_step([chunked], hyper, fused=False)
+    if args.whole:
+        whole = slot()
+        steps["reference step, whole partition"] = lambda: R.adamw_step([whole], hyper)
+    if not args.no_ds:
+        try:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            steps["DeepSpeedCPUAdam"] = DeepSpeedCPUAdam([param()], lr=1e-4, weight_decay=0.01, adamw_mode=True).step
+        except Exception as e:  # its JIT build needs a compiler and DeepSpeed's op sources
+            print(f"DeepSpeedCPUAdam did not build: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    for fn in steps.values():  # state allocation, first-use builds
+        fn()
+    times = {k: [] for k in steps}
+    for _ in range(args.iters):
+        for name, fn in steps.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    rows = [{"step": k, "ms": statistics.median(v), "min_ms": min(v)} for k, v in times.items()]
+    return {"threads": torch.get_num_threads(), "simd": torch.backends.cpu.get_cpu_capability(), "numel": numel,
+            "rows": rows}
+
+
+def host_table(res: dict) -> list[str]:
+    base = res["rows"][0]["ms"]
+    return [f"{res['numel']:,} FP32 elements, {res['threads']} torch threads, {res['simd']}",
+            "| step | median ms | min ms | vs torch foreach |", "|---|---|---|---|"] + [
+        f"| {r['step']} | {r['ms']:.1f} | {r['min_ms']:.1f} | {r['ms'] / base:.2f}x |" for r in res["rows"]]
+
+
+def run_stub_launch(args) -> dict:
+    """CoatAdamW's step on CPU tensors through the Triton backend with the launch removed: 219
+    tensors shaped like a scaled-down Llama list; wall and thread CPU time per step."""
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    from coat_ds import CoatAdamW
+    from coat_ds.kernels import adamw
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            return lambda *a, **k: None
+
+    adamw._adamw_kernel = NoLaunch()
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in llama_shapes(64, 24, 172, 256)]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    opt = CoatAdamW(params, lr=1e-4, weight_decay=0.01, backend="triton", min_quant_numel=args.min_quant_numel)
+    opt.step()
+    wall, cpu = [], []  # thread CPU time: on a shared machine wall time also counts waits for a core
+    for _ in range(args.iters):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        opt.step()
+        wall.append((time.perf_counter() - t0) * 1e3)
+        cpu.append((time.thread_time() - c0) * 1e3)
+    if args.profile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.runcall(lambda: [opt.step() for _ in range(args.iters)])
+        pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+    return {"rows": [{"tensors": len(params), "host_ms_min": min(wall), "host_ms": statistics.median(wall),
+                      "cpu_ms_min": min(cpu), "cpu_ms": statistics.median(cpu)}]}
+
+
+def stub_table(res: dict) -> list[str]:
+    r = res["rows"][0]
+    return ["| tensors | host ms/step min | median | thread CPU ms min | median |", "|---|---|---|---|---|",
+            f"| {r['tensors']} | {r['host_ms_min']:.3f} | {r['host_ms']:.3f} | {r['cpu_ms_min']:.3f} | {r['cpu_ms']:.3f} |"]
+
+
+def run_loop(args) -> dict:
+    """Phases of the training step, medians: the whole step unsynchronized (even steps), then
+    forward, backward, clipping and opt.step() each closed by a synchronize (odd steps)."""
+    from accuracy import lr_at
+    from coat_ds import CoatAdamW, compress_activations
+    from coat_ds.data import DataConfig, batch_seed, load_data
+    from coat_ds.model import Llama, model_config
+
+    dev, tiny = C.device(), args.tiny
+    preset, bs, seq, steps, warmup = ("tiny", 2, 64, 6, 2) if tiny else ("350m", 12, 1024, 28, 8)
+    data = load_data(DataConfig(max_bytes=2_000_000 if tiny else 32_000_000))
+    rows = []
+    for variant in ("adamw", "coat", "coat_act"):
+        torch.manual_seed(1337)
+        model = Llama(model_config(preset, max_seq_len=seq)).to(dev)
+        opt = (torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                                 fused=dev.type == "cuda") if variant == "adamw" else
+               CoatAdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1))
+        handle = compress_activations(model) if variant == "coat_act" else None
+        for block in model.blocks if args.compile else ():
+            block.compile()
+        phases = {k: [] for k in ("step", "forward", "backward", "clip", "opt.step", "opt.step host")}
+        for i in range(steps):
+            for g in opt.param_groups:
+                g["lr"] = lr_at(i, 600, 60, 3e-4)
+            x, y = (t.to(dev) for t in data.batch("train", bs, seq, batch_seed(1337, i, 0, 0, "train")))
+            synced = i % 2 == 1
+            C.sync()
+            t = [time.perf_counter()]
+
+            def mark():
+                if synced:
+                    C.sync()
+                    t.append(time.perf_counter())
+
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+                loss = model(x, y)
+            mark()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            mark()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            mark()
+            h0 = time.perf_counter()
+            opt.step()
+            h1 = time.perf_counter()
+            mark()
+            loss.item()
+            t.append(time.perf_counter())
+            if i >= warmup and synced:
+                for k, a in (("forward", 0), ("backward", 1), ("clip", 2), ("opt.step", 3)):
+                    phases[k].append((t[a + 1] - t[a]) * 1e3)
+                phases["opt.step host"].append((h1 - h0) * 1e3)
+            elif i >= warmup:
+                phases["step"].append((t[-1] - t[0]) * 1e3)
+        if handle is not None:
+            handle.remove()
+        rows.append({"variant": variant, **{k: statistics.median(v) for k, v in phases.items()}})
+    return {"mode": "compiled" if args.compile else "eager", "rows": rows}
+
+
+def loop_table(res: dict) -> list[str]:
+    cols = [k for k in res["rows"][0] if k != "variant"]
+    base = res["rows"][0]["step"]
+    return [f"training step by phase, ms, {res['mode']}", "| variant | " + " | ".join(cols) + " | step vs AdamW |",
+            "|---" * (len(cols) + 2) + "|"] + [
+        f"| {r['variant']} | " + " | ".join(f"{r[c]:.1f}" for c in cols) + f" | {r['step'] / base:.2f}x |"
+        for r in res["rows"]]
+
+
+MODES = {"gpu": (run_gpu, gpu_table, lambda r: f"{r['case']}, {r['optimizer']}", "ms"),
+         "host": (run_host, host_table, lambda r: r["step"], "ms"),
+         "stub_launch": (run_stub_launch, stub_table, lambda r: f"{r['tensors']} tensors", "host_ms"),
+         "loop": (run_loop, loop_table, lambda r: r["variant"], "step")}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--host", action="store_true", help="ZeRO-Offload's host step on a CPU partition")
+    mode.add_argument("--stub-launch", action="store_true", help="CPU: the step's host work, launch removed")
+    mode.add_argument("--loop", action="store_true", help="the step inside the 350m preset's training loop")
+    ap.add_argument("--numel", type=float, default=None, help="flat case's elements (GPU 1.345e9, --host 8388608)")
+    ap.add_argument("--iters", type=int, default=None, help="timed steps (GPU 20, --host 7, --stub-launch 200)")
+    ap.add_argument("--sweep", action="store_true", help="GPU: time launch shapes on the flat case first")
+    ap.add_argument("--portable", action="store_true", help="GPU: also CoatAdamW with the portable FP8 coding")
+    ap.add_argument("--peers", action="store_true", help=f"GPU: also {', '.join(PEERS)}")
+    ap.add_argument("--fallback", action="store_true", help="--host: also the chunked reference (no C++ kernel)")
+    ap.add_argument("--whole", action="store_true", help="--host: also the reference step on the whole partition")
+    ap.add_argument("--no-ds", action="store_true", help="--host: skip DeepSpeedCPUAdam")
+    ap.add_argument("--min-quant-numel", type=int, default=0, help="--stub-launch: CoatAdamW's option")
+    ap.add_argument("--profile", action="store_true", help="--stub-launch: cProfile's top functions")
+    ap.add_argument("--compile", action="store_true", help="--loop: every block compiled")
+    ap.add_argument("--tiny", action="store_true", help="--loop: the tiny preset, a few steps (CPU check)")
+    C.add_common(ap)
+    args = ap.parse_args(argv)
+    name = "host" if args.host else "stub_launch" if args.stub_launch else "loop" if args.loop else "gpu"
+    args.iters = args.iters or {"gpu": 20, "host": 7, "stub_launch": 200, "loop": 0}[name]
+    args.numel = args.numel or (None if args.host else 1.345e9)
+    run, table, key, value = MODES[name]
+    if name == "gpu" and not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU (or --host, --stub-launch, --loop)")
+    if args.child:
+        return C.emit(run(args))
+    print(C.header(), flush=True)
+    if args.tree:
+        rows = C.run_trees(args, sys.argv[1:] if argv is None else argv)
+        return C.finish(args, f"optim_{name}_ab", rows, C.ab_table(rows, key, value))
+    res = run(args)
+    C.finish(args, f"optim_{name}", res, table(res))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,11 @@ predicted vs measured peak and step time, and a table last.
     python bench/plan_bench.py --shape 7b --budgets 0.6
     python bench/plan_bench.py --tiny --in-process  # CPU, tiny sizes (what CI runs)
     python bench/plan_bench.py --shape 1b --compile-budgets 0.5 0.2  # torch.compile budgets as well
+    python bench/plan_bench.py --shape 1b 7b --choices keep fp8_linear --torch-budgets 1.0 0.5 0.2
+
+--torch-budgets: no planner; every layer on one choice, compiled with torch's own
+`activation_memory_budget` at each value (1.0: torch's default partition, the baseline of
+the ratios), each in a process of its own.
 
 The planner measures at the benchmark's micro-batch and at half of it (each cost a line in
 the micro-batch) and plans over micro-batches 1, 2, 4, ... up to the benchmark's; a plan
@@ -23,45 +28,23 @@ import contextlib
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
+import _common as C
 import torch
 
-SHAPES = {
-    "7b": dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
-               num_hidden_layers=6, vocab_size=32000),
-    "1b": dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=16, num_key_value_heads=16,
-               num_hidden_layers=16, vocab_size=32000),
-    # CPU tests: a small vocabulary, so that the layers, not the logits, make the peak.
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
-                 num_hidden_layers=3, vocab_size=512),
-}
 SIDES = ("bf16", "bf16_ckpt", "coat", "measure", "plan")
 
 
-def _device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def _build(shape: str, seq: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=max(seq, 64), attn_implementation="sdpa",
-                      use_cache=False)
-    torch.manual_seed(0)
-    with torch.device(_device()):
-        return LlamaForCausalLM(cfg)
+    return C.hf_llama(shape, seq)
 
 
 def _compile(model, compile_layers: bool) -> None:
     if compile_layers:
-        torch._dynamo.config.automatic_dynamic_shapes = False
-        torch._dynamo.config.recompile_limit = 64
-        for layer in model.model.layers:
-            layer.compile()
+        C.compile_layers(model)
 
 
 def _optimizer(side: str):
@@ -113,23 +96,56 @@ def _run(args, shape: str, side: str, plan_file: str | None = None) -> dict:
     if args.in_process:
         return run_side(shape, side, args.bs, args.seq, args.steps, not args.no_compile, plan_file, tuple(args.choices),
                         tuple(args.compile_budgets))
-    cmd = [sys.executable, __file__, "--shape", shape, "--side", side, "--bs", str(args.bs), "--seq", str(args.seq),
-           "--steps", str(args.steps), "--choices", *args.choices] + (["--no-compile"] if args.no_compile else [])
+    argv = ["--shape", shape, "--bs", str(args.bs), "--seq", str(args.seq), "--steps", str(args.steps), "--choices",
+            *args.choices] + (["--no-compile"] if args.no_compile else [])
     if args.compile_budgets:
-        cmd += ["--compile-budgets", *map(str, args.compile_budgets)]
+        argv += ["--compile-budgets", *map(str, args.compile_budgets)]
     if plan_file:
-        cmd += ["--plan-file", plan_file]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if args.log_dir:
-        os.makedirs(args.log_dir, exist_ok=True)
-        name = side if not plan_file else os.path.basename(plan_file)[:-5]
-        with open(os.path.join(args.log_dir, f"{shape}_{name}.log"), "w") as f:
-            f.write(proc.stdout + proc.stderr)
-    found = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if found:
-        return json.loads(found[-1][7:])
-    err = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-    return {"shape": shape, "side": side, "bs": args.bs, "seq": args.seq, "error": err}
+        argv += ["--plan-file", plan_file]
+    name = side if not plan_file else os.path.basename(plan_file)[:-5]
+    res = C.run_child(argv, side, log=args.log_dir and os.path.join(args.log_dir, f"{shape}_{name}.log"))
+    return res if "error" not in res else {"shape": shape, "side": side, "bs": args.bs, "seq": args.seq, **res}
+
+
+def torch_budget_side(shape: str, spec: str, bs: int, seq: int, steps: int) -> dict:
+    """One choice on every layer, compiled with torch's activation-memory budget."""
+    import torch._functorch.config as functorch_config
+
+    from coat_ds.plan import MeasureConfig, Plan, decoder_layers, measure_plan
+
+    choice, budget = spec.split("@")
+    # Read by the min-cut partitioner when each layer's graph is compiled (its first call).
+    functorch_config.activation_memory_budget = float(budget)
+    model = _build(shape, seq)
+    _compile(model, True)
+    plan = Plan.uniform([f for f, _ in decoder_layers(model)], choice, bs, seq)
+    got = measure_plan(model, plan, _optimizer("coat"),
+                       config=MeasureConfig(seq_len=seq, batches=(bs,), timed_steps=steps, warmup_steps=2))
+    return {"shape": shape, "choice": choice, "budget": float(budget), "bs": bs, "seq": seq, "ms": got.step_s * 1e3,
+            "peak_gb": got.peak_bytes / 1e9}
+
+
+def torch_budgets(args) -> list[str]:
+    rows = []
+    for shape in args.shape:
+        for choice in args.choices:
+            for budget in args.torch_budgets:
+                argv = ["--shape", shape, "--bs", str(args.bs), "--seq", str(args.seq), "--steps", str(args.steps)]
+                rows.append({"shape": shape, "choice": choice, "budget": budget,
+                             **C.run_child(argv, f"{choice}@{budget}")})
+                print(json.dumps(rows[-1]), flush=True)
+    lines = ["| shape | choice | budget | ms/step | tokens/s | vs budget 1.0 | peak GB | vs budget 1.0 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "ms" not in r:
+            lines.append(f"| {r['shape']} | {r['choice']} | {r['budget']} | failed: {r['error'][:80]} | | | | |")
+            continue
+        base = next((b for b in rows if b["shape"] == r["shape"] and b["choice"] == r["choice"]
+                     and b["budget"] == 1.0 and "ms" in b), None)
+        vs_t, vs_m = (f"{base['ms'] / r['ms']:.3f}x", f"{r['peak_gb'] / base['peak_gb']:.3f}x") if base else ("-", "-")
+        lines.append(f"| {r['shape']} | {r['choice']} | {r['budget']} | {r['ms']:.1f} | "
+                     f"{r['bs'] * r['seq'] / r['ms'] * 1e3:,.0f} | {vs_t} | {r['peak_gb']:.2f} | {vs_m} |")
+    return lines
 
 
 def bench_shape(args, shape: str, workdir: str) -> list[dict]:
@@ -238,11 +254,11 @@ def _table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", choices=list(SHAPES), nargs="+", default=["7b", "1b"])
+    ap.add_argument("--shape", choices=list(C.SHAPES), nargs="+", default=["7b", "1b"])
     ap.add_argument("--tiny", action="store_true", help="CPU-sized: tiny shape, micro-batch 4 x 64, eager")
-    ap.add_argument("--side", choices=SIDES, help="run this one side here and print its JSON (what each child runs)")
+    ap.add_argument("--side", choices=SIDES, help="run this one side here and print its JSON")
     ap.add_argument("--plan-file", help="with --side plan: the plan to run")
     ap.add_argument("--bs", type=int, default=8)
     ap.add_argument("--seq", type=int, default=2048)
@@ -255,15 +271,23 @@ def main():
                     help="torch.compile activation-memory budgets the planner measures beside torch's own")
     ap.add_argument("--no-compile", action="store_true", help="eager layers")
     ap.add_argument("--in-process", action="store_true", help="every side in this process (CPU tests)")
+    ap.add_argument("--torch-budgets", type=float, nargs="+", default=None,
+                    help="no planner: each --choices on every layer at each torch activation-memory budget")
     ap.add_argument("--log-dir", default=None, help="write each side's full output here")
-    args = ap.parse_args()
+    C.add_common(ap, ab=False)
+    args = ap.parse_args(argv)
+    if args.child and "@" in args.child:
+        return C.emit(torch_budget_side(args.shape[0], args.child, args.bs, args.seq, args.steps or 5))
     if args.tiny:
         args.shape, args.bs, args.seq, args.no_compile = ["tiny"], 4, 64, True
-    elif not torch.cuda.is_available() and not args.side:
+    elif not torch.cuda.is_available() and not (args.side or args.child):
         raise SystemExit("needs a CUDA GPU (or --tiny)")
     args.steps = args.steps or (2 if args.tiny else 5)
     if args.choices is None:
-        args.choices = ["keep", "fp8", "recompute"] + ([] if args.tiny else ["fp8_linear"])
+        args.choices = (["keep", "fp8_linear"] if args.torch_budgets else
+                        ["keep", "fp8", "recompute"] + ([] if args.tiny else ["fp8_linear"]))
+    if args.torch_budgets and 1.0 not in args.torch_budgets:
+        ap.error("--torch-budgets: include 1.0 (torch's default partition), the baseline of the ratios")
     for spec in args.budgets:
         if spec != "ckpt":
             try:
@@ -272,20 +296,20 @@ def main():
                 ap.error(f"--budgets: {spec!r} is neither a fraction of BF16's peak nor 'ckpt'")
     if not torch.cuda.is_available():
         torch.set_num_threads(1)  # tiny ops: threads only contend
-    if args.side:
-        res = run_side(args.shape[0], args.side, args.bs, args.seq, args.steps, not args.no_compile, args.plan_file,
-                       tuple(args.choices), tuple(args.compile_budgets))
-        print("RESULT " + json.dumps(res), flush=True)
-        return
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    print(f"# {name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
+    if args.side or args.child:
+        return C.emit(run_side(args.shape[0], args.side or args.child, args.bs, args.seq, args.steps,
+                               not args.no_compile, args.plan_file, tuple(args.choices), tuple(args.compile_budgets)))
+    print(C.header(), flush=True)
+    if args.torch_budgets:
+        lines = torch_budgets(args)
+        return C.finish(args, "torch_budgets", lines, lines)
     t0, rows = time.perf_counter(), []
     with tempfile.TemporaryDirectory() as workdir:
         for shape in args.shape:
             rows += bench_shape(args, shape, workdir)
     print("\n".join(_verdicts(rows)))
     print(f"wall {time.perf_counter() - t0:.0f} s")
-    print("\n".join(_table(rows)))
+    C.finish(args, "plan_bench", rows, _table(rows))
 
 
 if __name__ == "__main__":

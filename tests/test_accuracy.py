@@ -4,6 +4,7 @@ The full-size runs and their numbers live in docs/accuracy.md; these are the ver
 fit in CI (about a minute on 2 CPU cores)."""
 import importlib.util
 import os
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +16,8 @@ _BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench")
 
 
 def _bench(name: str):
+    if _BENCH not in sys.path:  # the bench scripts import their shared module, bench/_common.py
+        sys.path.insert(0, _BENCH)
     spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(_BENCH, f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -35,7 +38,7 @@ def test_coat_adamw_loss_matches_torch_adamw(data):
     while AdamW's own seed-to-seed spread was ~5% (docs/accuracy.md). At LR 3e-3 the tiny
     model's runs are chaotic (paired gaps of -1% to +3% between any two perturbed runs), so a
     1% bound there would test luck, not the optimizer."""
-    lp = _bench("loss_parity")
+    lp = _bench("accuracy")
     args = SimpleNamespace(preset="tiny", steps=200, batch_size=8, seq_len=64, lr=1e-3, warmup=20,
                            weight_decay=0.1, seed=1337, eval_batches=16, fp32=True, log_interval=0, compile=False)
     dev = torch.device("cpu")
@@ -51,7 +54,7 @@ def test_quant_table_ranking_on_real_moments(data):
     """On moments of a briefly trained tiny model: E4M3+DRE for both moments beats every
     combination without DRE, is within 10% of the best cell, and DRE cuts the E4M3/E4M3
     error by at least the paper's ~1.6x."""
-    qt = _bench("accuracy_quant_table")
+    qt = _bench("accuracy")
     moments, first, last = qt.train_moments("tiny", 40, 8, 64, 0, 1e-3, data)
     assert last < first
     table = qt.quant_table(moments)
@@ -65,7 +68,7 @@ def test_quant_table_ranking_on_real_moments(data):
 def test_reference_kernel_model_collapses_k_on_zero_groups():
     """The model of the reference kernel's min (zeros included) picks a much smaller k for a
     group with one exact zero, and its error on the nonzeros grows; ours is unaffected."""
-    qt = _bench("accuracy_quant_table")
+    qt = _bench("accuracy")
     torch.manual_seed(0)
     x = torch.exp(torch.empty(2, 128).uniform_(-7, -4)) * torch.randn(2, 128).sign()
     x[1, 5] = 0.0

@@ -1,0 +1,260 @@
+"""FP8 linear layers end to end: HF LlamaForCausalLM (from a config), FP32 master weights + BF16
+autocast, every decoder layer compiled (--eager: not), one training step timed per side, each
+side in a process of its own (honest peaks).
+
+    python bench/fp8_linear.py --shape 7b                      # default sides, then the table
+    python bench/fp8_linear.py --shape 7b 1b --sides bf16 coat_fp8 torchao --tree .oldwt --rounds 2
+    python bench/fp8_linear.py --kernels                       # quantize/transpose vs copy
+    python bench/fp8_linear.py --shape 7b --sides coat_fp8 --profile      # top kernels of one step
+    python bench/fp8_linear.py --shape 7b --sides coat_fp8 --trace DIR    # one step's chrome trace ...
+    python bench/fp8_linear.py --gaps DIR/7b_coat_fp8.json.gz --top 12    # ... where the GPU waits (CPU)
+    python bench/fp8_linear.py --saved-bytes                   # CPU: FP8 input codes held for backward
+    python bench/fp8_linear.py --shape tiny --sides bf16 coat_fp8 --eager  # CPU check of the script
+
+Sides: bf16 (torch AdamW fused), bf16_ckpt (+ full activation checkpointing), torchao (float8
+tensorwise linears + torch AdamW), coat (CoatAdamW + compress_activations on the layers),
+coat_fp8 (coat + convert_to_fp8_linear), coat_fp8_triton (backend="triton": our quantize
+kernels as custom ops), coat_fp8_keepw (keep_weight_codes=True). Median of --steps
+CUDA-event-timed steps after 3 warm-up steps; ratios against BF16 of the same call. With --tree,
+the --ab-sides also run from the other checkout, alternating with this tree for --rounds rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import collections
+import gzip
+import json
+import os
+import sys
+
+import _common as C
+import torch
+
+SIDES = ("bf16", "bf16_ckpt", "torchao", "coat", "coat_fp8", "coat_fp8_triton", "coat_fp8_keepw")
+
+
+def build(shape: str, side: str, seq: int, compiled: bool):
+    import coat_ds
+
+    model = C.hf_llama(shape, seq)
+    if side == "bf16_ckpt":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if side == "torchao":
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(model, config=Float8LinearConfig(), module_filter_fn=lambda m, fqn: fqn != "lm_head")
+    if side.startswith("coat_fp8"):
+        # Only the options a side sets: older trees (--tree) lack the newer ones.
+        kw = {"coat_fp8_triton": dict(backend="triton"), "coat_fp8_keepw": dict(keep_weight_codes=True)}.get(side, {})
+        coat_ds.convert_to_fp8_linear(model, config=coat_ds.Fp8LinearConfig(**kw))
+    if side.startswith("coat"):
+        layers = {id(m) for m in C.decoder_layers(model)}
+        coat_ds.compress_activations(model, module_filter_fn=lambda m, fqn: id(m) in layers)
+        opt = coat_ds.CoatAdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=torch.cuda.is_available())
+    if compiled:
+        C.compile_layers(model)
+    return model, opt
+
+
+def run_side(args, shape: str, side: str) -> dict:
+    model, opt = build(shape, side, args.seq, not args.eager)
+    ids = torch.randint(0, model.config.vocab_size, (args.bs, args.seq), device=C.device())
+    losses = []
+
+    def step():
+        with torch.autocast(C.device().type, dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+
+    ms = C.median_ms(step, args.steps)
+    out = {"shape": shape, "side": side, "bs": args.bs, "seq": args.seq, "ms": ms, "peak_gb": C.peak_gb(),
+           "loss": float(losses[-1]), "params": sum(p.numel() for p in model.parameters())}
+    if args.profile:
+        print("\n".join(C.kernel_table(step, 70)), flush=True)
+    if args.trace:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+            C.sync()
+        prof.export_chrome_trace(f"{args.trace}/{shape}_{side}.json.gz")
+    return out
+
+
+def bench_kernels() -> list[str]:
+    """Quantize(+transpose) against a same-size copy; GB/s counts each byte the kernels must move
+    once (read x, write the codes): the max pass reads x a second time, a held guess does not."""
+    from coat_ds.kernels import reference
+    from coat_ds.kernels.fp8_linear import linear_quantize, new_guess
+
+    rows = ["| tensor | layouts | ours us | GB/s (unique bytes) | copy GB/s | ours / copy | torch twin us |",
+            "|---|---|---|---|---|---|---|"]
+    for name, shape, dtype in (("x 16384x4096 bf16", (16384, 4096), torch.bfloat16),
+                               ("x 16384x11008 bf16", (16384, 11008), torch.bfloat16),
+                               ("W 11008x4096 fp32", (11008, 4096), torch.float32),
+                               ("g 16384x4096 bf16", (16384, 4096), torch.bfloat16)):
+        x = torch.randn(shape, device="cuda", dtype=dtype)
+        copy_bw = 2 * x.numel() * x.element_size() / C.device_ms(lambda: x.clone()) / 1e6
+        held = new_guess(reference.linear_quantize(x, "e4m3")[2])  # a weight's path: last time's exponent
+        for row, col, label, guess in ((True, False, "row", None), (False, True, "transposed", None),
+                                       (True, True, "both", None), (True, True, "both, guessed", held)):
+            ms = C.device_ms(lambda: linear_quantize(x, "e4m3", row, col, guess=guess))
+            twin = C.device_ms(lambda: reference.linear_quantize(x, "e4m3", row, col), 5)
+            bw = x.numel() * (x.element_size() + row + col) / ms / 1e6
+            rows.append(f"| {name} | {label} | {ms * 1e3:.0f} | {bw:.0f} | {copy_bw:.0f} | {bw / copy_bw:.2f} | {twin * 1e3:.0f} |")
+        got, want = linear_quantize(x, "e4m3", True, True), reference.linear_quantize(x, "e4m3", True, True)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and int(got[2]) == int(want[2]), name
+    return rows
+
+
+def saved_bytes(args) -> list[str]:
+    """Bytes of FP8 input codes backward holds, sibling layers (q/k/v, gate/up) sharing one copy
+    of their input or not: a 2-layer HF Llama on CPU."""
+    from unittest import mock
+
+    import coat_ds
+    from coat_ds.linear import shared_input
+
+    model = C.hf_llama("tiny", 128, "cpu", hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=4, vocab_size=32000)
+    coat_ds.convert_to_fp8_linear(model, config=coat_ds.Fp8LinearConfig(fp8_gemm="on"))
+    ids = torch.randint(0, 32000, (2, 128))
+
+    def held(share: bool) -> int:
+        seen = {}
+
+        def pack(t):
+            if t.dtype == torch.uint8:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with mock.patch.object(shared_input, "lookup", shared_input.lookup if share else lambda x, recipe: None), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return sum(seen.values())
+
+    shared, separate = held(True), held(False)
+    return ["| FP8 input codes held for backward | bytes |", "|---|---|", f"| shared by siblings | {shared:,} |",
+            f"| one copy per layer | {separate:,} |", f"| shared / separate | {shared / separate:.3f} |"]
+
+
+def gaps(path: str, top: int, min_us: float = 5.0) -> list[str]:
+    """A chrome trace's GPU time by kernel category, and its idle gaps, each put on the CPU op
+    that launched the kernel after it."""
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    gpu = sorted((e["ts"], e["ts"] + e["dur"], e["name"], e.get("args", {}).get("correlation"))
+                 for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    launches = {e["args"]["correlation"]: e for e in events  # Triton launches through the driver API
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    ops = collections.defaultdict(list)
+    for e in events:
+        if e.get("cat") in ("cpu_op", "user_annotation", "python_function"):
+            ops[e["tid"]].append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    starts = {t: [o[0] for o in sorted(v)] for t, v in ops.items()}
+    ops = {t: sorted(v) for t, v in ops.items()}
+
+    def where(launch) -> str:
+        if launch is None:
+            return "(launch not traced)"
+        tid, ts = launch["tid"], launch["ts"]
+        i = bisect.bisect_right(starts.get(tid, []), ts)
+        stack = [n for s, e, n in ops.get(tid, [])[max(0, i - 400):i] if e >= ts]
+        keep = [n for n in stack if not n.startswith(("aten::", "cuda", "<built-in"))] or stack
+        return " > ".join(n[:70] for n in keep[-2:]) or "(no enclosing op)"
+
+    by_cat, idle, end, holes = collections.Counter(), 0.0, gpu[0][0], collections.Counter()
+    for start, stop, name, corr in gpu:
+        by_cat[category(name)] += stop - start
+        if start > end:
+            idle += start - end
+            if start - end >= min_us:
+                holes[where(launches.get(corr)), name[:60]] += start - end
+        end = max(end, stop)
+    lines = ["| category | ms |", "|---|---|"] + [f"| {c} | {us / 1e3:.1f} |" for c, us in by_cat.most_common()]
+    lines += [f"| sum | {sum(by_cat.values()) / 1e3:.1f} |", "",
+              f"GPU span {(end - gpu[0][0]) / 1e3:.1f} ms, idle {idle / 1e3:.1f} ms; gaps >= {min_us:g} us by launching op:",
+              "| idle ms | launched from | next kernel |", "|---|---|---|"]
+    return lines + [f"| {us / 1e3:.2f} | {w} | {n} |" for (w, n), us in holes.most_common(top)]
+
+
+def category(name: str) -> str:
+    if name.startswith("nvjet") or "gemm" in name.lower() or "cutlass" in name:
+        # cuBLASLt's nvjet names spell the operand types: q/r are FP8 (E4M3/E5M2).
+        return "GEMM, FP8" if name.startswith("nvjet_sm90_q") else "GEMM, 16/32-bit"
+    if "flash" in name or "fmha" in name or "sdpa" in name:
+        return "attention"
+    if name.startswith("triton_"):
+        return "Inductor kernels"
+    return "optimizer" if "adam" in name.lower() or "FusedOpti" in name else "other"
+
+
+def table(results: list[dict]) -> list[str]:
+    rows = ["| shape | tree | side | ms/step | tokens/s | vs BF16 | peak GB | vs BF16 peak |", "|---|---|---|---|---|---|---|---|"]
+    base = {r["shape"]: r for r in results if r["side"] == "bf16" and "ms" in r}
+    for r in results:
+        if "ms" not in r:
+            rows.append(f"| {r['shape']} | {r['tree']} | {r['side']} | failed: {r['error'][:80]} | | | | |")
+            continue
+        b = base.get(r["shape"])
+        rows.append(f"| {r['shape']} | {r['tree']} | {r['side']} | {r['ms']:.1f} | {r['bs'] * r['seq'] / r['ms'] * 1e3:,.0f} | "
+                    + (f"{b['ms'] / r['ms']:.2f}x | {r['peak_gb']:.1f} | {r['peak_gb'] / b['peak_gb']:.2f}x |" if b else
+                       f"- | {r['peak_gb']:.1f} | - |"))
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=list(C.SHAPES), nargs="*", default=[])
+    ap.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES[:5]))
+    ap.add_argument("--ab-sides", nargs="+", choices=SIDES, default=["coat_fp8"], help="with --tree: the sides "
+                    "run from both trees (the other sides run from this tree only)")
+    ap.add_argument("--bs", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--eager", action="store_true", help="no torch.compile")
+    ap.add_argument("--profile", action="store_true", help="print each side's top kernels of one step")
+    ap.add_argument("--trace", default=None, help="write each side's chrome trace of one step into this folder")
+    ap.add_argument("--gaps", default=None, help="analyse a chrome trace (--trace's) and exit")
+    ap.add_argument("--top", type=int, default=25, help="--gaps: rows listed")
+    ap.add_argument("--kernels", action="store_true", help="microbenchmark the quantize/transpose kernels")
+    ap.add_argument("--saved-bytes", action="store_true", help="CPU: FP8 input codes held, shared or not")
+    ap.add_argument("--log-dir", default=None, help="write each side's full output here")
+    C.add_common(ap)
+    args = ap.parse_args(argv)
+    if args.gaps or args.saved_bytes:
+        return print("\n".join(gaps(args.gaps, args.top) if args.gaps else saved_bytes(args)))
+    if args.child:
+        shape, side = args.child.split(":")
+        return C.emit(run_side(args, shape, side))
+    if not torch.cuda.is_available() and (args.kernels or any(s != "tiny" for s in args.shape)):
+        raise SystemExit("needs a CUDA GPU (or --shape tiny, --gaps, --saved-bytes)")
+    print(C.header(), flush=True)
+    lines = bench_kernels() if args.kernels else []
+    if lines:
+        print("\n".join(lines), flush=True)
+    argv = C.child_argv(sys.argv[1:] if argv is None else argv)
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
+    results = []
+    for shape in args.shape:
+        for side in args.sides:
+            runs = C.trees(args) if side in args.ab_sides else [("this", None)]
+            for i, (label, tree) in enumerate(runs):
+                log = args.log_dir and f"{args.log_dir}/{shape}_{side}_{label}{i // 2 + 1}.log"
+                results.append({"shape": shape, "side": side, "bs": args.bs, "seq": args.seq,
+                                **C.run_child(argv, f"{shape}:{side}", tree, log, echo=args.profile),
+                                "tree": label, "round": i // 2 + 1})
+                print(json.dumps(results[-1]), flush=True)
+    C.finish(args, "fp8_linear", {"kernels": lines, "rows": results}, lines + table(results) if results else lines)
+
+
+if __name__ == "__main__":
+    main()

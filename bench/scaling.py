@@ -1,0 +1,247 @@
+"""Whole training runs on every GPU of a machine: train.py under DeepSpeed and FSDP2, and the
+memory profiler at 7B and 13B. Run through bench/device_env.sh (wheels, path, NCCL settings):
+
+    bash bench/device_env.sh python bench/scaling.py deepspeed coat_zero2 bf16_zero2 --steps 40
+    python bench/scaling.py summary DIR                 # one table from the .jsonl of several calls
+    bash bench/device_env.sh python bench/scaling.py compile --preset 7b --mb 6 --runs bf16_compiled coat_compiled
+    bash bench/device_env.sh python bench/scaling.py profile p7b_zero3 p13b_fsdp2 train7b_fsdp2 --limit 420
+    torchrun --nproc_per_node 2 bench/scaling.py fsdp-memory --preset 1b --micro-batch 4
+
+deepspeed: train.py with each ds_configs/<name>.json (micro-batch --micro per GPU), then the
+table (tokens/s: median over logged windows after the first; peak memory and optimizer state:
+the largest rank; ratios against the bf16_ config of the same name). compile: train.py --fsdp at
+one micro-batch, BF16 + torch AdamW and COAT (CoatAdamW + FP8 activations), eager and
+--compile; ratios against BF16 eager (tokens/s of the last window). profile: `python -m
+coat_ds.profile` (ZeRO-3 or FSDP2, coat_zero3 against bf16_zero3; each side in its own
+processes) or a few train.py steps. fsdp-memory: torch AdamW vs CoatAdamW vs CoatAdamW + FP8
+activations under FSDP2 in the same processes (also on CPU with gloo, tiny presets).
+Each run's log and metrics go to --out; the table is printed last.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import _common as C
+import torch
+
+
+def launch(cmd: list[str], log: str, limit: float) -> int:
+    with open(log, "w") as f:
+        try:
+            return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=limit, cwd=C.ROOT).returncode
+        except subprocess.TimeoutExpired:
+            return 124
+
+
+def ngpu() -> int:
+    return int(os.environ.get("NGPU") or 0) or torch.cuda.device_count() or 1
+
+
+def with_micro_batch(name: str, micro: int) -> str:
+    """The shipped JSON (CPU-sized) with the benchmark's micro-batch, outside --out: the device
+    tool returns a limited number of files."""
+    cfg = json.load(open(C.ROOT / "ds_configs" / f"{name}.json"))
+    cfg["train_micro_batch_size_per_gpu"] = micro
+    path = os.path.join(tempfile.gettempdir(), f"coat_bench_{name}_mb{micro}.json")
+    json.dump(cfg, open(path, "w"), indent=2)
+    return path
+
+
+def run_deepspeed(args) -> list[str]:
+    for name in args.configs:
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ngpu()), "--master_port", "29512",
+               "train.py", "--deepspeed", with_micro_batch(name, args.micro), "--config", args.model_config,
+               "--max-steps", str(args.steps), "--seq-len", str(args.seq),
+               "--metrics-file", os.path.join(args.out, f"{name}.jsonl")]
+        print(f"{name}: exit {launch(cmd, os.path.join(args.out, name + '.log'), args.limit)}", flush=True)
+    return summary(args.out)
+
+
+def summary(out: str) -> list[str]:
+    rows = {}
+    for path in sorted(glob.glob(os.path.join(out, "*.jsonl"))):
+        recs = [json.loads(line) for line in open(path)]
+        train = [r for r in recs if "loss" in r and "tokens_per_s" in r]
+        state = [r["optimizer_state_gb"] for r in recs if "optimizer_state_gb" in r]
+        if train:
+            rows[os.path.basename(path)[:-6]] = dict(
+                steps=train[-1]["step"], loss=train[-1]["loss"], peak=max(r["peak_mem_gb"] for r in train),
+                tps=statistics.median([r["tokens_per_s"] for r in train[1:]] or [train[0]["tokens_per_s"]]),
+                state=state[0] if state else float("nan"))
+    lines = ["| run | steps | loss | tokens/s | peak mem / GPU (GB) | optimizer state / GPU (GB) | state vs bf16 | "
+             "tokens/s vs bf16 |", "|---|---|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        b = rows.get(name.replace("coat_", "bf16_")) if name.startswith("coat_") else None
+        ratios = f"{r['state'] / b['state']:.3f}x | {r['tps'] / b['tps']:.3f}x" if b else " | "
+        lines.append(f"| {name} | {r['steps']} | {r['loss']:.4f} | {r['tps']:,.0f} | {r['peak']:.2f} | {r['state']:.4g} | {ratios} |")
+    return lines
+
+
+def run_compile(args) -> list[str]:
+    flags = {"bf16_eager": ("bf16", []), "bf16_compiled": ("bf16", ["--compile"]),
+             "coat_eager": ("coat", ["--compress-activations"]),
+             "coat_compiled": ("coat", ["--compress-activations", "--compile"])}
+    for name in args.runs:
+        side, extra = flags[name]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ngpu()), "train.py", "--fsdp",
+               "--deepspeed", with_micro_batch(f"{side}_zero3", args.mb), "--preset", args.preset,
+               "--seq-len", str(args.seq), "--max-steps", str(args.steps), "--warmup-steps", "2", "--log-interval", "2",
+               "--eval-interval", "0", "--eval-batches", "1", "--metrics-file", os.path.join(args.out, name + ".jsonl"), *extra]
+        print(f"{name}: exit {launch(cmd, os.path.join(args.out, name + '.log'), args.limit)}", flush=True)
+    last = {}
+    for name in args.runs:
+        path = os.path.join(args.out, name + ".jsonl")
+        logs = [m for m in map(json.loads, open(path)) if "tokens_per_s" in m] if os.path.isfile(path) else []
+        last[name] = logs[-1] if logs else None
+    base = (last.get("bf16_eager") or {}).get("tokens_per_s")
+    lines = [f"{args.preset}, FSDP2 on {ngpu()} GPUs, micro-batch {args.mb} per GPU",
+             "| run | tokens/s (last window) | vs bf16 eager | peak mem GB | loss at last step |", "|---|---|---|---|---|"]
+    for name, m in last.items():
+        lines.append(f"| {name} | failed | | | |" if m is None else f"| {name} | {m['tokens_per_s']:,.0f} | "
+                     f"{m['tokens_per_s'] / base:.3f}x | {m['peak_mem_gb']:.2f} | {m['loss']:.4f} |" if base else
+                     f"| {name} | {m['tokens_per_s']:,.0f} | - | {m['peak_mem_gb']:.2f} | {m['loss']:.4f} |")
+    return lines
+
+
+def run_profile(args) -> list[str]:
+    for run in args.runs:
+        out, model, engine = os.path.join(args.out, run), run[1:].split("_")[0], run.split("_")[1]
+        if run.startswith("train"):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ngpu()), "train.py", "--fsdp",
+                   "--deepspeed", "ds_configs/coat_zero3.json", "--preset", run[5:].split("_")[0], "--seq-len",
+                   str(args.seq), "--max-steps", str(args.steps), "--warmup-steps", "2", "--log-interval", "2",
+                   "--eval-interval", "0", "--eval-batches", "1", "--compress-activations"]
+        else:
+            cmd = [sys.executable, "-m", "coat_ds.profile", "--model", model, "--seq-len", str(args.seq), "--engine",
+                   "fsdp" if engine == "fsdp2" else "deepspeed", "--nproc", str(ngpu()), "--config",
+                   "ds_configs/coat_zero3.json", "--baseline", "ds_configs/bf16_zero3.json", "--max-batch", "64",
+                   "--throughput-steps", "2", "--out", out]
+        t0 = time.time()
+        print(f"{run}: exit {launch(cmd, out + '.log', args.limit)} ({time.time() - t0:.0f} s)", flush=True)
+    lines = ["| run | side | measured total @ b=2 (GB/rank) | opt states | act/sample | max micro-batch | tokens/s |",
+             "|---|---|---|---|---|---|---|"]
+    for path in sorted(glob.glob(os.path.join(args.out, "*", "profile.json"))):
+        r = json.load(open(path))
+        for side in ("baseline", "coat"):
+            s, m = r["sides"][side], r["sides"][side]["ranks"][0]
+            lines.append(f"| {os.path.basename(os.path.dirname(path))} | {side} | {m['measured_total_bytes'] / 1e9:.2f} | "
+                         f"{m['optimizer_state_bytes'] / 1e9:.2f} | {m['activation_bytes_per_sample'] / 1e9:.3f} | "
+                         f"{s['max_micro_batch']} | {s['tokens_per_s'] and round(s['tokens_per_s'])} |")
+    return lines
+
+
+def fsdp_memory(args) -> list[str]:
+    """Under torchrun: each variant on the same preset, sharded with FSDP2 (BF16 compute, FP32
+    masters), the same random tokens; the maximum over ranks of each figure."""
+    import torch.distributed as dist
+
+    from coat_ds import ActivationConfig, CoatAdamW
+    from coat_ds.integrations.fsdp import setup_fsdp
+    from coat_ds.model import Llama, model_config
+
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+    def top(x: float) -> float:
+        t = torch.tensor(float(x), dtype=torch.float64, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+    rows = []
+    for variant in args.variants:
+        torch.manual_seed(0)
+        with dev:
+            model = Llama(model_config(args.preset, max_seq_len=args.seq_len))
+        model = setup_fsdp(model, mode="fsdp2", param_dtype=torch.bfloat16 if cuda else None,
+                           activation=ActivationConfig() if variant == "coat_act" else None)
+        kw = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+        opt = torch.optim.AdamW(model.parameters(), **kw) if variant == "adamw" else CoatAdamW(model.parameters(), **kw)
+        gen, vocab = torch.Generator().manual_seed(rank), model.cfg.vocab_size
+        C.sync()
+        C.reset_peak()
+        for step in range(args.warmup + args.steps):
+            if step == args.warmup:
+                C.sync()
+                t0 = time.perf_counter()
+            tokens = torch.randint(0, vocab, (args.micro_batch, args.seq_len + 1), generator=gen).to(dev)
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        C.sync()
+        dt = top(time.perf_counter() - t0)
+        state = sum(getattr(t, "_local_tensor", t).numel() * getattr(t, "_local_tensor", t).element_size()
+                    for s in opt.state.values() for k, t in s.items() if torch.is_tensor(t) and k != "step")
+        rows.append({"variant": variant, "tokens_per_s": args.micro_batch * args.seq_len * world * args.steps / dt,
+                     "optimizer_state_gb": top(state) / 1e9, "peak_gb": top(C.peak_bytes()) / 1e9, "loss": loss.item()})
+        del model, opt, loss
+        gc.collect()
+    dist.destroy_process_group()
+    if rank:
+        sys.exit(0)
+    base = rows[0]
+    return [f"{args.preset}, FSDP2, {world} ranks, micro-batch {args.micro_batch} x {args.seq_len}",
+            "| variant | tokens/s | vs first | optimizer state / rank GB | peak allocated / rank GB | loss |",
+            "|---|---|---|---|---|---|"] + [
+        f"| {r['variant']} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
+        f"{r['optimizer_state_gb']:.3f} | {r['peak_gb']:.2f} | {r['loss']:.4f} |" for r in rows]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("deepspeed", help="train.py with each DeepSpeed config")
+    d.add_argument("configs", nargs="*", default=["coat_zero1", "bf16_zero1", "coat_zero2", "bf16_zero2", "coat_zero3",
+                                                  "bf16_zero3"])
+    d.add_argument("--steps", type=int, default=60)
+    d.add_argument("--micro", type=int, default=8, help="micro-batch per GPU")
+    d.add_argument("--model-config", default="configs/1b.yaml")
+    s = sub.add_parser("summary", help="the deepspeed table of a folder of .jsonl")
+    s.add_argument("folder")
+    c = sub.add_parser("compile", help="train.py --fsdp, BF16 and COAT, eager and compiled")
+    c.add_argument("--preset", default="1b")
+    c.add_argument("--mb", type=int, default=4, help="micro-batch per GPU")
+    c.add_argument("--steps", type=int, default=10)
+    c.add_argument("--runs", nargs="+", default=["bf16_eager", "bf16_compiled", "coat_eager", "coat_compiled"],
+                   choices=["bf16_eager", "bf16_compiled", "coat_eager", "coat_compiled"])
+    p = sub.add_parser("profile", help="the memory profiler (or a few train.py steps) on every GPU")
+    p.add_argument("runs", nargs="+", choices=["p7b_zero3", "p13b_zero3", "p7b_fsdp2", "p13b_fsdp2", "train7b_fsdp2"])
+    p.add_argument("--steps", type=int, default=6, help="train runs: steps")
+    f = sub.add_parser("fsdp-memory", help="(under torchrun) FSDP2 memory and throughput per optimizer")
+    f.add_argument("--preset", default="1b")
+    f.add_argument("--seq-len", type=int, default=2048)
+    f.add_argument("--micro-batch", type=int, default=4)
+    f.add_argument("--steps", type=int, default=10)
+    f.add_argument("--warmup", type=int, default=3)
+    f.add_argument("--variants", nargs="+", default=["adamw", "coat", "coat_act"], choices=["adamw", "coat", "coat_act"])
+    for q in (d, c, p):
+        q.add_argument("--seq", type=int, default=2048)
+        q.add_argument("--limit", type=float, default=170, help="seconds per run")
+    for q in (d, c, p, f):
+        q.add_argument("--out", default=None, help="folder for logs, metrics and the table (default runs/<command>)")
+    args = ap.parse_args(argv)
+    if args.cmd == "summary":
+        return print("\n".join(summary(args.folder)))
+    args.out = os.path.abspath(args.out or os.path.join("runs", args.cmd))
+    os.makedirs(args.out, exist_ok=True)
+    print(C.header() + f", {ngpu()} GPUs", flush=True)
+    run = {"deepspeed": run_deepspeed, "compile": run_compile, "profile": run_profile, "fsdp-memory": fsdp_memory}
+    lines = run[args.cmd](args)
+    C.finish(args, args.cmd, lines, lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""The bench scripts on CPU: each imports and answers --help, and each CPU-sized mode runs to
+its table (a broken script fails here, not on the next device call)."""
+import glob
+import gzip
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "bench")
+SCRIPTS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(BENCH, "[!_]*.py")))
+
+
+def _load(name: str):
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(BENCH, f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(*argv: str, timeout: float = 600) -> str:
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def _last_table(out: str) -> list[str]:
+    """The trailing Markdown table of a script's output (what it prints last)."""
+    lines = out.rstrip().splitlines()
+    start = len(lines)
+    while start and lines[start - 1].startswith("|"):
+        start -= 1
+    assert start < len(lines) - 2, f"no table printed last:\n{out[-2000:]}"
+    return lines[start:]
+
+
+def test_bench_holds_few_files():
+    files = [f for f in os.listdir(BENCH) if not f.startswith((".", "__"))]
+    assert len(files) <= 10, files
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_script_imports_and_answers_help(name, capsys):
+    mod = _load(name)
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--help"])
+    assert e.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, rows", [
+    (["bench/optim_step.py", "--stub-launch", "--iters", "5"], 1),
+    (["bench/optim_step.py", "--host", "--numel", "65536", "--iters", "2", "--no-ds", "--fallback"], 2),
+    (["bench/optim_step.py", "--loop", "--tiny"], 3),
+    (["bench/activations.py", "--tiny"], 2),
+    (["bench/activations.py", "--host", "--steps", "1"], 5),
+    (["bench/fp8_linear.py", "--saved-bytes"], 3),
+    (["bench/fp8_linear.py", "--shape", "tiny", "--sides", "bf16", "coat_fp8", "--eager", "--bs", "2", "--seq", "64",
+      "--steps", "1"], 2),
+    (["bench/accuracy.py", "quant-table", "--preset", "tiny", "--steps", "3", "--zero-steps", "3"], 2),
+])
+def test_cpu_mode_prints_its_table(argv, rows):
+    table = _last_table(_run(*argv))
+    assert len(table) >= 2 + rows and not any("failed" in line for line in table), table
+
+
+def test_optim_step_ab_runs_each_tree_in_turn(tmp_path):
+    """--tree: this tree's and the other tree's runs alternate, a row of both per case."""
+    out = _run("bench/optim_step.py", "--stub-launch", "--iters", "3", "--tree", ROOT, "--rounds", "1",
+               "--out", str(tmp_path))
+    rows = json.loads((tmp_path / "optim_stub_launch_ab.json").read_text())
+    assert [r["tree"] for r in rows] == ["other", "this"]
+    assert _last_table(out)[2].startswith("| 219 tensors |")
+
+
+def test_parity_seeds_run_apart_then_summary(tmp_path):
+    out = _run("bench/accuracy.py", "parity", "--preset", "tiny", "--steps", "4", "--batch-size", "2", "--seq-len",
+               "32", "--eval-batches", "1", "--max-data-bytes", "200000", "--variants", "adamw,coat", "--log-interval",
+               "0", "--seeds", "1", "2", "--bound", "1", "--out", str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["eager_seed1.json", "eager_seed1.log", "eager_seed1.png",
+                                           "eager_seed2.json", "eager_seed2.log", "eager_seed2.png"]
+    assert "seeds: [1, 2]" in out and "| coat |" in out
+
+
+def test_gaps_puts_idle_time_on_the_launching_op(tmp_path):
+    def op(name, ts, dur, cat="cpu_op", **args):
+        return {"ph": "X", "name": name, "ts": ts, "dur": dur, "cat": cat, "tid": 1, "args": args}
+
+    events = [op("nvjet_sm90_qqtst_gemm", 0, 10, "kernel", correlation=1), op("my_host_work", 5, 40),
+              op("cudaLaunchKernel", 40, 2, "cuda_runtime", correlation=2),
+              op("triton_poi_fused_0", 50, 5, "kernel", correlation=2)]
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    lines = _load("fp8_linear").gaps(str(path), top=5)
+    assert "| GEMM, FP8 | 0.0 |" in lines and "| Inductor kernels | 0.0 |" in lines
+    assert lines[-1] == "| 0.04 | my_host_work | triton_poi_fused_0 |"
