@@ -4,7 +4,7 @@ makes of them.
 Inductor fuses each quantization into one kernel that reads a saved tensor and writes its
 codes. On an H100 that kernel is bound by instructions per element, not by memory: the
 eager codec's non-finite handling (four selects on the codes) made it 50% slower and a
-compiled 1.1B Llama step 4-5% slower (bench/act_traced_ab.py). This codec keeps the same
+compiled 1.1B Llama step 4-5% slower (docs/history/benchmarks-2026-11.md). This codec keeps the same
 guarantees with fewer instructions, by choosing codes the cast itself produces:
 
 * the scale is a power of two putting a group's finite max in [0.8125, 1.625) * 2**E
