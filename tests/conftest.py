@@ -5,6 +5,8 @@ import sys
 
 import torch
 
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+
 # Triton reads this when a kernel is defined, so it must be set before coat_ds.kernels'
 # Triton modules are imported: on a CPU-only machine every Triton kernel runs interpreted.
 if not torch.cuda.is_available():
@@ -27,21 +29,27 @@ def device():
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _starts_python(args) -> bool:
-    """A command that runs Python (ours, a launcher, a rank), not a compiler or Inductor's
-    compile workers, which single-process tests start too."""
-    argv = [args] if isinstance(args, (str, bytes)) else list(args)
-    text = " ".join(map(str, argv))
-    if "compile_worker" in text:
-        return False
-    exe = os.path.basename(str(argv[0]).split()[0]) if argv else ""
-    return exe.startswith("python") or exe in ("torchrun", "deepspeed") or str(argv[0]) == sys.executable
+_LAUNCH_MACHINERY = ("subprocess.py", os.sep + "multiprocessing" + os.sep)
+
+
+def _started_by_a_test() -> bool:
+    """The first caller outside the process-starting machinery (subprocess, multiprocessing,
+    torch.multiprocessing) is test code, not a library's own helper process (Inductor's
+    compile workers and probes start Python too, in single-process tests)."""
+    frame = sys._getframe(2)
+    while frame is not None and any(m in frame.f_code.co_filename for m in _LAUNCH_MACHINERY):
+        frame = frame.f_back
+    return frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _TESTS
+
+
+def _command(args) -> str:
+    return " ".join(map(str, [args] if isinstance(args, (str, bytes)) else args))[:120]
 
 
 @pytest.fixture(autouse=True)
 def _multi_process_tests_are_slow(request, monkeypatch):
-    """`-m "not slow"` promises no multi-process runs: a test that starts another Python
-    process (a launcher, ranks, a script) without the `slow` mark fails here."""
+    """`-m "not slow"` promises no multi-process runs: a test that starts another process
+    (a launcher, ranks, a script) without the `slow` mark fails here."""
     if "slow" in request.node.keywords:
         yield
         return
@@ -50,12 +58,13 @@ def _multi_process_tests_are_slow(request, monkeypatch):
     process_start = multiprocessing.process.BaseProcess.start
 
     def init(self, args, *a, **kw):
-        if _starts_python(args):
-            started.append(" ".join(map(str, [args] if isinstance(args, (str, bytes)) else args))[:120])
+        if _started_by_a_test():
+            started.append(_command(args))
         popen_init(self, args, *a, **kw)
 
     def start(self):
-        started.append(f"multiprocessing {self.name}")
+        if _started_by_a_test():
+            started.append(f"multiprocessing {self.name}")
         process_start(self)
 
     monkeypatch.setattr(subprocess.Popen, "__init__", init)
