@@ -15,7 +15,7 @@ must be found the way an install finds them), and runs the command there in a fr
 DeepSpeed launcher beside it, both on a free port (ranks talk over gloo without a GPU). The
 environment is the caller's without torchrun's rank variables, plus coat_ds on PYTHONPATH (as
 an install puts it on the path), one OpenMP thread and, without a GPU, TRITON_INTERPRET=1.
-Blocks of more than one rank are slow tests. A block that cannot run so (needs a GPU, a
+Each block starts processes of its own, so each is a slow test. A block that cannot run so (needs a GPU, a
 download) has the line `<!-- norun: reason -->` directly above its fence instead; a
 ```python block with neither line fails, naming its file and line. A failure names the file
 and the fence's line; tracebacks point at lines of the Markdown file itself.
@@ -195,10 +195,7 @@ def _python_block_params():
         for b in blocks:
             if b.lang not in PYTHON:
                 continue
-            if b.norun is not None:
-                marks = [pytest.mark.skip(reason=f"norun: {b.norun}")]
-            else:
-                marks = [pytest.mark.slow] if parse_command(b.run).nproc > 1 else []
+            marks = [pytest.mark.skip(reason=f"norun: {b.norun}")] if b.norun is not None else []
             params.append(pytest.param(b, id=f"{b.path}:{b.line}", marks=marks))
     return params
 
@@ -210,6 +207,7 @@ def test_docs_parse(path):
     doc_blocks(path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", _python_block_params())
 def test_python_block_runs_alone(block, tmp_path):
     failure = run_block(block, str(tmp_path))
@@ -363,6 +361,7 @@ def test_parse_command_forms():
             == Command("deepspeed", 2, "ds_ex.py", (("DS_ACCELERATOR", "cpu"),)))
 
 
+@pytest.mark.slow
 def test_failure_names_file_and_fence_line(tmp_path):
     block = Block("docs/x.md", 10, "python", "b = 1\nc = nope\n", None, "python x_doc.py")
     failure = run_block(block, str(tmp_path), timeout=60)
@@ -370,6 +369,7 @@ def test_failure_names_file_and_fence_line(tmp_path):
     assert 'File "docs/x.md", line 12' in failure and "NameError" in failure
 
 
+@pytest.mark.slow
 def test_block_runs_alone_in_its_own_directory(tmp_path):
     """A block sees neither the repository as its directory nor rank variables of the caller,
     and its command's environment is set."""
