@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import coat_ds
 from coat_ds import ActivationConfig
@@ -45,18 +46,39 @@ def _assert_grads_close(fn, x, cos, sin, want) -> None:
         assert sqnr_db(want[n], g) > GRAD_SQNR_DB, n
 
 
+def attention_outputs(monkeypatch, fn, *args) -> list[torch.Tensor]:
+    """The outputs of F.scaled_dot_product_attention while `fn(*args)` runs eagerly."""
+    outputs, sdpa = [], F.scaled_dot_product_attention
+    with monkeypatch.context() as m:
+        m.setattr(F, "scaled_dot_product_attention", lambda *a, **k: outputs.append(sdpa(*a, **k)) or outputs[-1])
+        fn(*args)
+    return [o.detach() for o in outputs]
+
+
+def holds_attention_output(t: torch.Tensor, o: torch.Tensor, tol: float = 1e-5) -> bool:
+    """`t`, a graph's saved value, is attention's output `o` (B, H, S, D) as it is, or
+    reshaped to (B * S, H * D) for o_proj. Inductor's q and k may differ from eager's in the
+    last bit: `tol` (float32's default) is far below FP8's step (6%)."""
+    if t.dtype != o.dtype or t.numel() != o.numel():
+        return False
+    b, h, s, d = o.shape
+    return any(t.shape == v.shape and torch.allclose(t, v, rtol=10 * tol, atol=tol)
+               for v in (o, o.transpose(1, 2).reshape(b * s, h * d)))
+
+
 def _float_bytes(tensors, floor: int) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t.is_floating_point() and t.numel() >= floor)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_torch_compile_inlines_fp8_into_the_graphs(backend):
+def test_torch_compile_inlines_fp8_into_the_graphs(backend, monkeypatch):
     block = make_block(torch.float32)
     params = {p.data_ptr() for p in block.parameters()}
     torch.manual_seed(3)
     x = torch.randn(2, 32, 64)
     cos, sin = rope_tables(32, 16, torch.float32)
     want = block_grads(block, x, cos, sin)
+    (o,) = attention_outputs(monkeypatch, block, x, cos, sin)
     torch._dynamo.reset()
     compiled = torch.compile(block, backend=backend)
     plain = _held(compiled, x, cos, sin)
@@ -66,14 +88,17 @@ def test_torch_compile_inlines_fp8_into_the_graphs(backend):
         _assert_grads_close(compiled, x, cos, sin, want)
         # The quantization runs inside the graph: no Python hook saw a tensor.
         assert handle.stats().compressed_tensors == 0
-        # Parameters, the caller's rope tables (no gradient: alive anyway) and attention's
-        # logsumexp (a statistic) are saved as they are; every other saved float of
-        # activation size is now FP8 codes and scales.
+        # Parameters, the caller's rope tables (no gradient: alive anyway), attention's
+        # logsumexp (a statistic) and its output (its backward's rowsum(dO * O) steers
+        # rows) are saved as they are; every other saved float of activation size is now
+        # FP8 codes and scales.
         lse = [t for t in held if t.shape == (2, 4, 32)]
         assert len(lse) == 1 and lse[0].dtype == torch.float32
+        assert any(holds_attention_output(t, o) for t in held)
 
         def as_is(t):
-            return t.data_ptr() in params or t.data_ptr() in (cos.data_ptr(), sin.data_ptr()) or t is lse[0]
+            return (t.data_ptr() in params or t.data_ptr() in (cos.data_ptr(), sin.data_ptr()) or t is lse[0]
+                    or holds_attention_output(t, o))
 
         kept = [t for t in held if t.is_floating_point() and t.numel() >= 256]
         assert all(as_is(t) for t in kept)

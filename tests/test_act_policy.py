@@ -14,7 +14,7 @@ from coat_ds.activation.policy import KEEP, PER_GROUP, PER_TENSOR, SKIP, Policy
 
 # An activation that is compressed: every fact at its "compress" value.
 ACT = dict(dtype=torch.bfloat16, numel=4096, row_len=64, dense_order=True, grad_flows=True, alive_anyway=False,
-           weight_copy=False, linear_input=False)
+           weight_copy=False, linear_input=False, attention_output=False)
 
 
 @pytest.mark.parametrize("change,want", [
@@ -27,6 +27,9 @@ ACT = dict(dtype=torch.bfloat16, numel=4096, row_len=64, dense_order=True, grad_
     ({"weight_copy": True}, KEEP),  # autocast's BF16 copy of an FP32 weight
     ({"weight_copy": True, "linear_input": True}, KEEP),
     ({"grad_flows": False}, KEEP),  # statistics, rope tables
+    ({"attention_output": True}, KEEP),  # SDPA's O: its backward's rowsum(dO * O) steers rows
+    ({"attention_output": True, "linear_input": True}, KEEP),  # o_proj's input, where it is O's memory
+    ({"attention_output": True, "alive_anyway": True}, SKIP),
     ({"grad_flows": False, "linear_input": True}, KEEP),
     ({"row_len": 1}, KEEP),  # one value per row: a norm's rsqrt
     ({"dense_order": False}, KEEP),  # an expanded view
@@ -61,8 +64,9 @@ def test_decide_is_screen_then_candidate():
     """The eager hooks call the two halves themselves: together they are `decide`, and
     where `screen` settles a tensor no other fact changes the outcome."""
     policy = Policy(ActivationConfig())
-    others = [dict(row_len=r, dense_order=d, weight_copy=w, linear_input=li)
-              for r in (1, 64) for d in (False, True) for w in (False, True) for li in (False, True)]
+    others = [dict(row_len=r, dense_order=d, weight_copy=w, linear_input=li, attention_output=a)
+              for r in (1, 64) for d in (False, True) for w in (False, True) for li in (False, True)
+              for a in (False, True)]
     settled = 0
     for dtype in (torch.bfloat16, torch.float32, torch.int64):
         for numel in (1023, 1024):

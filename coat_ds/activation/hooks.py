@@ -24,7 +24,7 @@ from .packing import FP8Saved, FP8View, Kept, has_gaps, memory_order
 from .policy import KEEP, SKIP, Policy
 from .traced import TRACED_TAG, TracedCodec, code_hash, graph_hook
 
-__all__ = ["SavedTensorCompressor"]
+__all__ = ["SavedTensorCompressor", "ATTENTION_NODES"]
 
 _PLAIN = torch.Tensor
 _is_compiling = torch.compiler.is_compiling
@@ -52,6 +52,30 @@ def _casts_a_parameter(fn) -> bool:
     acc = nxt[0][0] if nxt else None
     return acc is not None and _is_parameter(getattr(acc, "variable", None))
 
+
+def _attention_nodes() -> frozenset:
+    """The autograd nodes whose output is a fused attention's O (the policy's
+    `attention_output`): SDPA's flash (CUDA and CPU), efficient, cuDNN and overrideable
+    kernels, the flash, efficient and cuDNN ops behind them, and flex attention. Each
+    backward reads O for rowsum(dO * O). SDPA's math backend has none: it is plain ops,
+    and its softmax saves the probabilities instead (docs/activations.md). A node this
+    torch version lacks is left out."""
+    generated = torch._C._functions
+    names = ("ScaledDotProductFlashAttentionBackward0", "ScaledDotProductFlashAttentionForCpuBackward0",
+             "ScaledDotProductEfficientAttentionBackward0", "ScaledDotProductCudnnAttentionBackward0",
+             "ScaledDotProductFusedAttentionOverrideableBackward0", "FlashAttentionBackward0",
+             "EfficientAttentionBackward0", "CudnnAttentionBackward0")
+    nodes = {getattr(generated, n) for n in names if hasattr(generated, n)}
+    try:
+        from torch._higher_order_ops.flex_attention import FlexAttentionAutogradOp
+        nodes.add(FlexAttentionAutogradOp._backward_cls)
+    except (ImportError, AttributeError):
+        pass
+    return frozenset(nodes)
+
+
+# Compared by the node's type, as _TO_COPY_NODE is: one set lookup per candidate tensor.
+ATTENTION_NODES = _attention_nodes()
 
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 
@@ -201,11 +225,14 @@ class SavedTensorCompressor:
         # A linear layer saves its input, or a 2-D view of it: same memory, same count.
         ref = self._linear_inputs.refs.get(ident)
         linear = ref is not None and ref() is not None
-        fn = root.grad_fn if dtype in _LOW else None
-        weight_copy = type(fn) is _TO_COPY_NODE and _casts_a_parameter(fn)
+        # The node that made the memory: a view of an attention's output (o_proj's input,
+        # where O's layout makes the reshape free) is that output.
+        fn = root.grad_fn
+        node = type(fn)
+        weight_copy = node is _TO_COPY_NODE and dtype in _LOW and _casts_a_parameter(fn)
         # The policy's second half (positional: keyword arguments cost a microsecond per
-        # saved tensor here): row_len, dense_order, weight_copy, linear_input.
-        kind = self._candidate(row_len, perm is not None, weight_copy, linear)
+        # saved tensor here): row_len, dense_order, weight_copy, linear_input, attention_output.
+        kind = self._candidate(row_len, perm is not None, weight_copy, linear, node in ATTENTION_NODES)
         root_ref = weakref.ref(root)
         if kind is KEEP:
             ledger.add_kept(t, skey, root_ref)

@@ -7,8 +7,8 @@ Four outcomes:
   memory. Not counted as activation bytes.
 * KEEP: stored exactly as it is, counted: tensors whose FP8 error would steer whole rows of
   the gradient or be amplified (statistics, tensors no gradient flows through such as rope
-  tables, low-precision copies of weights), and tensors where FP8 saves nothing (integers,
-  tiny tensors, overlapping views).
+  tables, fused attention's output, low-precision copies of weights), and tensors where FP8
+  saves nothing (integers, tiny tensors, overlapping views).
 * PER_TENSOR: one scale per tensor (linear-layer inputs, what FP8 GEMMs consume).
 * PER_GROUP: one scale per 1 x G group along the stride-1 dim (everything else).
 
@@ -59,7 +59,7 @@ class Policy:
         return None
 
     def decide(self, dtype: torch.dtype, numel, row_len, dense_order: bool, grad_flows: bool,
-               alive_anyway: bool, weight_copy: bool, linear_input: bool) -> str:
+               alive_anyway: bool, weight_copy: bool, linear_input: bool, attention_output: bool) -> str:
         """The storage of one saved tensor.
 
         dtype, numel: the tensor's; numel may be symbolic.
@@ -70,15 +70,20 @@ class Policy:
             value computed only from inputs that need no gradient, such as rope tables).
         alive_anyway: it outlives the region whatever we do (weights, buffers, caller's data).
         weight_copy: a dtype conversion of a weight (autocast's BF16 copy of an FP32 weight).
-        linear_input: it is the input of a linear layer (eager path only)."""
+        linear_input: it is the input of a linear layer (eager path only).
+        attention_output: it is (a view of) the output O of a fused attention op (SDPA's
+            flash, efficient, cuDNN or CPU kernels, flex attention), whose backward computes
+            rowsum(dO * O) and subtracts it from every score gradient of that row: an FP8
+            error there shifts the whole row, as an error in the logsumexp would."""
         kind = self.screen(dtype, numel, grad_flows, alive_anyway)
         if kind is not None:
             return kind
-        return self.candidate(row_len, dense_order, weight_copy, linear_input)
+        return self.candidate(row_len, dense_order, weight_copy, linear_input, attention_output)
 
-    def candidate(self, row_len, dense_order: bool, weight_copy: bool, linear_input: bool) -> str:
+    def candidate(self, row_len, dense_order: bool, weight_copy: bool, linear_input: bool,
+                  attention_output: bool) -> str:
         """The storage of a tensor that `screen` left open (facts as in `decide`)."""
-        if weight_copy or not dense_order:
+        if weight_copy or attention_output or not dense_order:
             return KEEP
         one = row_len == 1
         if one if type(one) is bool else statically_known_true(one):

@@ -30,7 +30,7 @@ from ..kernels.fp8 import get_format
 from .packing import memory_order
 from .policy import KEEP, SKIP, Policy
 
-__all__ = ["graph_hook", "code_hash", "compile_settings", "TracedCodec", "TRACED_TAG"]
+__all__ = ["graph_hook", "code_hash", "compile_settings", "TracedCodec", "TRACED_TAG", "ATTENTION_OPS"]
 
 try:
     from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
@@ -94,8 +94,41 @@ def graph_hook(fn, cache_hash: str) -> torch.fx.GraphModule:
 # Ops through which a saved value is still its input's memory or a cast of it.
 _VIEWS = {torch.ops.aten.t.default, torch.ops.aten.permute.default, torch.ops.aten.view.default,
           torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default, torch.ops.aten.transpose.int,
-          torch.ops.aten.expand.default, torch.ops.aten.alias.default, torch.ops.aten.unsqueeze.default}
+          torch.ops.aten.expand.default, torch.ops.aten.alias.default, torch.ops.aten.unsqueeze.default,
+          torch.ops.aten.detach.default}
 _CASTS = {torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default}
+
+
+def _attention_ops() -> frozenset:
+    """The ops whose first output is a fused attention's O, every overload (the policy's
+    `attention_output`; hooks.ATTENTION_NODES are their autograd nodes): SDPA's flash (CUDA
+    and CPU), efficient, cuDNN and overrideable kernels, the ops behind them, and flex
+    attention's higher-order op. Their backward reads O for rowsum(dO * O). An op this torch
+    version lacks is left out."""
+    aten = torch.ops.aten
+    ops = set()
+    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                 "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
+                 "_efficient_attention_forward", "_cudnn_attention_forward"):
+        packet = getattr(aten, name, None)
+        if packet is not None:
+            ops.update(getattr(packet, o) for o in packet.overloads())
+    flex = getattr(torch.ops.higher_order, "flex_attention", None)
+    if flex is not None:
+        ops.add(flex)
+    return frozenset(ops)
+
+
+ATTENTION_OPS = _attention_ops()
+
+
+def _attention_output(node) -> bool:
+    """`node` is (a view of) the first output of an attention op."""
+    while node.op == "call_function" and node.target in _VIEWS and node.args:
+        node = node.args[0]
+    return (node.op == "call_function" and node.target is operator.getitem and node.args[1] == 0
+            and getattr(node.args[0], "target", None) in ATTENTION_OPS)
 
 
 def _static_input_indices() -> list[int]:
@@ -109,6 +142,10 @@ def _static_input_indices() -> list[int]:
             return list(frame.f_locals.get("static_input_indices") or ())
         frame = frame.f_back
     return []
+
+
+# The facts of a value that outlives the graph (only alive_anyway decides it).
+_ALIVE = dict(alive_anyway=True, grad_flows=True, weight_copy=False, attention_output=False)
 
 
 class _GraphFacts:
@@ -136,11 +173,10 @@ class _GraphFacts:
     def of(self, node) -> dict:
         """Policy facts of the saved value `node`."""
         if sum(o is node for o in self.fw_outs) > 1:
-            return dict(alive_anyway=True, grad_flows=True, weight_copy=False)  # returned and saved
+            return dict(_ALIVE)  # returned and saved
         if node.op == "placeholder":
             # A graph input that gets no gradient (the caller's data) outlives the graph.
-            return dict(alive_anyway=not self.mapped or node not in self.grad_inputs, grad_flows=True,
-                        weight_copy=False)
+            return dict(_ALIVE, alive_anyway=not self.mapped or node not in self.grad_inputs)
         # An op's auxiliary output that only its backward reads (attention's logsumexp; no
         # gradient flows through it) is a statistic.
         aux = node.target is operator.getitem and all(u.op == "output" for u in node.users)
@@ -149,8 +185,10 @@ class _GraphFacts:
             cast = cast or src.target in _CASTS
             src = src.args[0]
         weight = src in self.static
+        # attention_output: the SDPA backward (and o_proj's weight gradient, where the
+        # partitioner saves O's reshape for it) read O through views of the one saved value.
         return dict(alive_anyway=weight and not cast, grad_flows=node in self.flows and not aux,
-                    weight_copy=weight and cast)
+                    weight_copy=weight and cast, attention_output=_attention_output(node))
 
 
 _FACTS: "weakref.WeakKeyDictionary[torch.fx.Graph, _GraphFacts]" = weakref.WeakKeyDictionary()
@@ -161,11 +199,10 @@ def _saved_value_facts() -> dict:
     hook. Without that context we are offered intermediates only (FILTERING_MODE)."""
     ctx = _get_saved_tensor_hook_context() if _get_saved_tensor_hook_context is not None else None
     if ctx is None:
-        alive = _get_saved_tensor_hook_context is not None
-        return dict(alive_anyway=alive, grad_flows=True, weight_copy=False)
+        return dict(_ALIVE, alive_anyway=_get_saved_tensor_hook_context is not None)
     node, fw, bw = ctx.get("_node"), ctx.get("_fw_graph"), ctx.get("_bw_graph")
     if node is None or fw is None or bw is None:
-        return dict(alive_anyway=True, grad_flows=True, weight_copy=False)
+        return dict(_ALIVE)
     facts = _FACTS.get(fw)
     if facts is None:
         facts = _FACTS[fw] = _GraphFacts(fw, bw)
