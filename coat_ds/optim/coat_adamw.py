@@ -185,7 +185,7 @@ class CoatAdamW(torch.optim.Optimizer):
             grad = _local(p.grad)
             states.append(state)
             slots.append(AdamWSlot(local, grad if grad.is_contiguous() else grad.contiguous(),
-                                   st.moment(state, "exp_avg"), st.moment(state, "exp_avg_sq"), state[st.SKIPS_KEY]))
+                                   *st.kernel_moments(state, cfg), state[st.SKIPS_KEY]))
         prepared = GroupStep(params, states, slots, cfg, self._plan_cache)
         if len(self._group_steps) >= _MAX_GROUP_STEPS:
             self._group_steps.pop(next(iter(self._group_steps)))

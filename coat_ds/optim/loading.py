@@ -16,14 +16,14 @@ import math
 import torch
 
 from ..config import OptimStateConfig
-from ..kernels import QuantizedGroups, get_format, group_layout
+from ..kernels import get_format, group_layout
 from ..kernels.fp8 import K_MAX_CODE
-from .state import MOMENTS, SKIPS_KEY
+from .moment import MOMENTS, PART_DTYPES, Fp8Moment, moment_format
+from .state import SKIPS_KEY
 
 __all__ = ["merge_groups", "check_state", "is_fp32_layout", "QUANT_KEYS"]
 
-_PART_DTYPES = {"codes": torch.uint8, "center": torch.float32, "kcode": torch.uint8, "sexp": torch.int8}
-QUANT_KEYS = tuple(f"{m}_{p}" for m in MOMENTS for p in QuantizedGroups._fields)
+QUANT_KEYS = tuple(k for m in MOMENTS for k in Fp8Moment.keys(m))
 # torch.optim.AdamW options whose non-default value asks for an update CoatAdamW does not do.
 _UNSUPPORTED = {"amsgrad": False, "maximize": False}
 # The power-of-two scale 2**sexp is built from the exponent's bits: exact only in this range.
@@ -106,18 +106,19 @@ def check_state(pid, state, local: torch.Tensor, cfg: OptimStateConfig) -> None:
         if bool((state["exp_avg_sq"] < 0).any()):
             _fail(pid, "exp_avg_sq", "holds negative values")
         return
-    formats = {"exp_avg": cfg.first_moment_format, "exp_avg_sq": cfg.second_moment_format}
-    for name, fmt in formats.items():
-        codes = _check_tensor(pid, f"{name}_codes", state[f"{name}_codes"], torch.uint8, local.shape)
+    for name in MOMENTS:
+        fmt = moment_format(cfg, name)
+        key = dict(zip(PART_DTYPES, Fp8Moment.keys(name)))
+        codes = _check_tensor(pid, key["codes"], state[key["codes"]], PART_DTYPES["codes"], local.shape)
         code_max = get_format(fmt).code_max
         if bool(((codes & 0x7F) > code_max).any()):
-            _fail(pid, f"{name}_codes", f"holds codes that are NaN or inf in {fmt} (the group's format)")
-        meta = {p: _check_tensor(pid, f"{name}_{p}", state[f"{name}_{p}"], _PART_DTYPES[p], lay.meta_shape)
+            _fail(pid, key["codes"], f"holds codes that are NaN or inf in {fmt} (the group's format)")
+        meta = {p: _check_tensor(pid, key[p], state[key[p]], PART_DTYPES[p], lay.meta_shape)
                 for p in ("center", "kcode", "sexp")}
         if not bool((torch.isfinite(meta["center"]) & (meta["center"] > 0)).all()):
-            _fail(pid, f"{name}_center", "holds values that are not finite and > 0")
+            _fail(pid, key["center"], "holds values that are not finite and > 0")
         if not bool(((meta["kcode"] >= 1) & (meta["kcode"] <= K_MAX_CODE)).all()):
-            _fail(pid, f"{name}_kcode", f"holds values outside [1, {K_MAX_CODE}]")
+            _fail(pid, key["kcode"], f"holds values outside [1, {K_MAX_CODE}]")
         lo, hi = _SEXP_RANGE
         if not bool(((meta["sexp"] >= lo) & (meta["sexp"] <= hi)).all()):
-            _fail(pid, f"{name}_sexp", f"holds values outside [{lo}, {hi}]")
+            _fail(pid, key["sexp"], f"holds values outside [{lo}, {hi}]")

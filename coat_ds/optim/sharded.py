@@ -23,17 +23,19 @@ saved groups takes the largest of their counts.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..config import OptimStateConfig
-from ..kernels import QuantizedGroups, get_ops, group_layout
-from .state import MOMENTS, SKIPS_KEY
+from ..kernels import QuantizedGroups, group_layout
+from .moment import MOMENTS, Fp8Moment
+from .state import SKIPS_KEY
 
 __all__ = ["global_numel", "mark_global_numel", "to_dtensor_state", "from_dtensor_state", "local_fp32_state",
            "wrap_like"]
 
-_META = ("center", "kcode", "sexp")
 _GLOBAL_NUMEL_ATTR = "_coat_global_numel"
 
 
@@ -86,25 +88,30 @@ def _expand(meta: torch.Tensor, local_shape: torch.Size, group_size: int) -> tor
     return meta.repeat_interleave(group_size, dim=1)[:, :lay.cols].reshape(local_shape)
 
 
+def _wrap_meta(meta: torch.Tensor, p: DTensor, layout: str, group_size: int) -> DTensor:
+    """(rows, groups_per_row) per-group tensor of `p`'s local shard as a DTensor in `layout`."""
+    local = p._local_tensor
+    if layout == "replicated":
+        return wrap_like(meta, p, meta.shape)
+    if layout == "compact":
+        gpr = group_layout(local.shape, group_size).groups_per_row
+        return wrap_like(meta.reshape(*local.shape[:-1], gpr), p, (*p.shape[:-1], gpr))
+    return wrap_like(_expand(meta, local.shape, group_size), p)
+
+
 def to_dtensor_state(state: dict, p: DTensor, cfg: OptimStateConfig) -> dict:
     """The state of DTensor parameter `p` with every shaped tensor wrapped like `p`."""
-    local = p._local_tensor
     layout = _meta_layout(p)
-    lay = group_layout(local.shape, cfg.group_size)
-    out = {}
-    for key, value in state.items():
-        part = key.rsplit("_", 1)[-1]
-        if key == "step" or not torch.is_tensor(value):
-            out[key] = value
-        elif part not in _META and key != SKIPS_KEY:  # FP8 codes or FP32 moments: shaped like the parameter
-            out[key] = wrap_like(value, p)
-        elif layout == "replicated":
-            out[key] = wrap_like(value, p, value.shape)
-        elif layout == "compact":
-            gpr = lay.groups_per_row
-            out[key] = wrap_like(value.reshape(*local.shape[:-1], gpr), p, (*p.shape[:-1], gpr))
-        else:
-            out[key] = wrap_like(_expand(value, local.shape, cfg.group_size), p)
+    out = dict(state)
+    for name in MOMENTS:
+        if Fp8Moment.stored_in(state, name):
+            m = Fp8Moment.from_state(state, name, cfg)
+            m.map(lambda codes: wrap_like(codes, p), lambda meta: _wrap_meta(meta, p, layout, cfg.group_size)
+                  ).into_state(out, name)
+        elif name in state:
+            out[name] = wrap_like(state[name], p)
+    if SKIPS_KEY in state:
+        out[SKIPS_KEY] = _wrap_meta(state[SKIPS_KEY], p, layout, cfg.group_size)
     return out
 
 
@@ -119,29 +126,26 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a == b
 
 
-def _compress(codes: torch.Tensor, meta: dict[str, torch.Tensor], cfg: OptimStateConfig, fmt: str) -> dict:
+def _compress(saved: Fp8Moment, name: str, cfg: OptimStateConfig) -> Fp8Moment:
     """Per-element metadata back to per-group; groups that are not uniform (they mix
     elements of different saved groups) are decoded element-wise and re-quantized."""
+    codes = saved.groups.codes
     lay = group_layout(codes.shape, cfg.group_size)
     g = cfg.group_size
-    flat = {k: v.reshape(lay.rows, lay.cols) for k, v in meta.items()}
-    first = {k: v[:, ::g].contiguous() for k, v in flat.items()}
+    flat = saved.map(lambda c: c.reshape(lay.rows, lay.cols), lambda t: t.reshape(lay.rows, lay.cols))
+    first = flat.map(lambda c: codes.clone(), lambda t: t[:, ::g].contiguous())
     mixed = torch.zeros(lay.rows, lay.groups_per_row * g, dtype=torch.bool, device=codes.device)
-    for k, v in flat.items():
-        mixed[:, :lay.cols] |= ~_same(_expand(first[k], codes.shape, g).reshape(lay.rows, lay.cols), v)
+    for head, every in zip(first.groups[1:], flat.groups[1:]):
+        mixed[:, :lay.cols] |= ~_same(_expand(head, codes.shape, g).reshape(lay.rows, lay.cols), every)
     mixed_groups = mixed.reshape(lay.rows, lay.groups_per_row, g).any(-1)
-    out = {"codes": codes.clone(), **first}
     if not bool(mixed_groups.any()):
-        return out
-    ops = get_ops(codes.device, "torch")
-    per_element = QuantizedGroups(codes.reshape(lay.rows, lay.cols), flat["center"], flat["kcode"], flat["sexp"])
-    values = ops.dequantize_groups(per_element, 1, fmt).reshape(codes.shape)
-    fresh = ops.quantize_groups(values, g, fmt, cfg.dynamic_range_expansion)
+        return first
+    values = Fp8Moment(flat.groups, saved.fmt, 1).to_fp32("torch").reshape(codes.shape)
+    fresh = Fp8Moment.from_fp32(values, name, dataclasses.replace(cfg, backend="torch")).groups
     in_mixed = _expand(mixed_groups, codes.shape, g)
-    out["codes"] = torch.where(in_mixed, fresh.codes, codes)
-    for k in _META:
-        out[k] = torch.where(mixed_groups, getattr(fresh, k), first[k])
-    return out
+    return Fp8Moment(QuantizedGroups(torch.where(in_mixed, fresh.codes, codes),
+                                     *(torch.where(mixed_groups, new, old)
+                                       for new, old in zip(fresh[1:], first.groups[1:]))), saved.fmt, g)
 
 
 def from_dtensor_state(saved: dict, p: DTensor, cfg: OptimStateConfig) -> dict:
@@ -150,20 +154,18 @@ def from_dtensor_state(saved: dict, p: DTensor, cfg: OptimStateConfig) -> dict:
     layout = _meta_layout(p)
     lay = group_layout(local.shape, cfg.group_size)
     state = {k: _local(v) for k, v in saved.items()}
-    formats = {"exp_avg": cfg.first_moment_format, "exp_avg_sq": cfg.second_moment_format}
     for name in MOMENTS:
-        if f"{name}_codes" not in state:
+        if not Fp8Moment.stored_in(state, name):
             continue
-        codes = state[f"{name}_codes"]
-        meta = {k: state[f"{name}_{k}"] for k in _META}
-        if codes.shape != local.shape:
-            raise ValueError(f"{name}_codes has local shape {tuple(codes.shape)}, parameter has {tuple(local.shape)}")
+        m = Fp8Moment.from_state(state, name, cfg)
+        if m.groups.codes.shape != local.shape:
+            raise ValueError(f"{name}_codes has local shape {tuple(m.groups.codes.shape)}, parameter has "
+                             f"{tuple(local.shape)}")
         if layout == "per_element":
-            meta = _compress(codes, meta, cfg, formats[name])
-            state[f"{name}_codes"] = meta.pop("codes")
+            m = _compress(m, name, cfg)
         else:
-            meta = {k: v.reshape(lay.meta_shape) for k, v in meta.items()}
-        state.update({f"{name}_{k}": v for k, v in meta.items()})
+            m = m.map(lambda codes: codes, lambda meta: meta.reshape(lay.meta_shape))
+        m.into_state(state, name)
     if SKIPS_KEY in state:
         state[SKIPS_KEY] = _local_skips(state[SKIPS_KEY], local, layout, cfg.group_size)
     return state

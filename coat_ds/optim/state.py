@@ -1,41 +1,28 @@
 """CoatAdamW's per-parameter state layout, its byte count and its FP32 conversions.
 
-A parameter whose whole tensor has at least `min_quant_numel` elements keeps, per moment,
-`<moment>_codes` (uint8 FP8 codes, the local tensor's shape) and per-group `<moment>_center`
-(float32), `<moment>_kcode` (uint8, DRE exponent * 16) and `<moment>_sexp` (int8, power-of-two
-scale exponent), groups laid out (rows, groups_per_row). Smaller parameters keep FP32
-`exp_avg` / `exp_avg_sq` exactly like torch.optim.AdamW. `step` is a CPU float32 scalar.
-Every parameter also keeps `group_skips` (int32, (rows, groups_per_row)): the steps each
-group skipped for non-finite values, so that its bias correction uses step - group_skips.
+A parameter whose whole tensor has at least `min_quant_numel` elements keeps each moment as
+an `Fp8Moment` (`moment.py`: flat keys `<moment>_codes`, `_center`, `_kcode`, `_sexp`).
+Smaller parameters keep FP32 `exp_avg` / `exp_avg_sq` exactly like torch.optim.AdamW.
+`step` is a CPU float32 scalar. Every parameter also keeps `group_skips` (int32,
+(rows, groups_per_row)): the steps each group skipped for non-finite values, so that its bias
+correction uses step - group_skips.
 """
 from __future__ import annotations
 
 import torch
 
 from ..config import OptimStateConfig
-from ..kernels import QuantizedGroups, get_ops, group_layout
+from ..kernels import QuantizedGroups, group_layout
+from .moment import MOMENTS, Fp8Moment
 
-__all__ = ["MOMENTS", "SKIPS_KEY", "is_quantized", "init_state", "zero_skips", "moment", "state_bytes", "to_fp32",
-           "from_fp32"]
+__all__ = ["MOMENTS", "SKIPS_KEY", "is_quantized", "init_state", "zero_skips", "moment", "kernel_moments",
+           "state_bytes", "to_fp32", "from_fp32"]
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
 SKIPS_KEY = "group_skips"
-_PARTS = QuantizedGroups._fields
 
 
 def is_quantized(state: dict) -> bool:
-    return "exp_avg_codes" in state
-
-
-def _zero_moment(local: torch.Tensor, group_size: int) -> QuantizedGroups:
-    lay = group_layout(local.shape, group_size)
-    dev = local.device
-    return QuantizedGroups(
-        torch.zeros(local.shape, dtype=torch.uint8, device=dev),
-        torch.ones(lay.meta_shape, dtype=torch.float32, device=dev),
-        torch.full(lay.meta_shape, 16, dtype=torch.uint8, device=dev),
-        torch.zeros(lay.meta_shape, dtype=torch.int8, device=dev),
-    )
+    return Fp8Moment.stored_in(state, MOMENTS[0])
 
 
 def zero_skips(local: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -46,26 +33,26 @@ def init_state(local: torch.Tensor, quantize: bool, cfg: OptimStateConfig) -> di
     state: dict = {"step": torch.zeros((), dtype=torch.float32), SKIPS_KEY: zero_skips(local, cfg.group_size)}
     for name in MOMENTS:
         if quantize:
-            qg = _zero_moment(local, cfg.group_size)
-            state.update({f"{name}_{part}": t for part, t in zip(_PARTS, qg)})
+            Fp8Moment.zeros(local.shape, local.device, name, cfg).into_state(state, name)
         else:
             state[name] = torch.zeros(local.shape, dtype=torch.float32, device=local.device)
     return state
 
 
-def moment(state: dict, name: str) -> QuantizedGroups | torch.Tensor:
-    if is_quantized(state):
-        return QuantizedGroups(*(state[f"{name}_{part}"] for part in _PARTS))
-    return state[name]
+def moment(state: dict, name: str, cfg: OptimStateConfig) -> Fp8Moment | torch.Tensor:
+    """Moment `name` of `state`: an Fp8Moment, or the FP32 tensor of a small parameter."""
+    return Fp8Moment.from_state(state, name, cfg) if is_quantized(state) else state[name]
+
+
+def kernel_moments(state: dict, cfg: OptimStateConfig) -> tuple[QuantizedGroups | torch.Tensor, ...]:
+    """(exp_avg, exp_avg_sq) as the step kernels read them: FP32 tensors or each
+    Fp8Moment's inner tensors (the state's own, not copies)."""
+    return tuple(m.groups if isinstance(m, Fp8Moment) else m for m in (moment(state, n, cfg) for n in MOMENTS))
 
 
 def state_bytes(state: dict) -> int:
     """Bytes of the moment tensors (the step counter is not counted)."""
     return sum(t.numel() * t.element_size() for k, t in state.items() if k != "step" and torch.is_tensor(t))
-
-
-def _formats(cfg: OptimStateConfig) -> dict[str, str]:
-    return {"exp_avg": cfg.first_moment_format, "exp_avg_sq": cfg.second_moment_format}
 
 
 def _fold_factor(step: float, skips: torch.Tensor, beta: float) -> torch.Tensor:
@@ -93,11 +80,10 @@ def to_fp32(state: dict, cfg: OptimStateConfig, betas: tuple[float, float]) -> d
     out = {"step": state["step"].clone()}
     skips = state.get(SKIPS_KEY)
     step = float(state["step"])
-    for (name, fmt), beta in zip(_formats(cfg).items(), betas):
-        mom = moment(state, name)
-        if isinstance(mom, QuantizedGroups):
-            ops = get_ops(mom.codes.device, cfg.backend)
-            out[name] = ops.dequantize_groups(mom, cfg.group_size, fmt)
+    for name, beta in zip(MOMENTS, betas):
+        mom = moment(state, name, cfg)
+        if isinstance(mom, Fp8Moment):
+            out[name] = mom.to_fp32(cfg.backend)
         else:
             out[name] = mom.detach().to(torch.float32, copy=True)
         if skips is not None and bool((skips > 0).any()):
@@ -113,14 +99,12 @@ def from_fp32(fp32_state: dict, local: torch.Tensor, quantize: bool, cfg: OptimS
     state = {"step": torch.as_tensor(fp32_state["step"], dtype=torch.float32).detach().clone().cpu(),
              SKIPS_KEY: zero_skips(local, cfg.group_size) if skips is None
              else skips.detach().to(local.device, copy=True)}
-    for name, fmt in _formats(cfg).items():
+    for name in MOMENTS:
         src = fp32_state[name].detach().to(device=local.device, dtype=torch.float32)
         if src.shape != local.shape:
             raise ValueError(f"{name} has shape {tuple(src.shape)}, parameter has {tuple(local.shape)}")
         if quantize:
-            qg = get_ops(local.device, cfg.backend).quantize_groups(src, cfg.group_size, fmt,
-                                                                   cfg.dynamic_range_expansion)
-            state.update({f"{name}_{part}": t for part, t in zip(_PARTS, qg)})
+            Fp8Moment.from_fp32(src, name, cfg).into_state(state, name)
         else:
             state[name] = src.clone()
     return state
