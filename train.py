@@ -12,7 +12,7 @@
 `ds_configs/<name>.json` and `configs/<name>.yaml` are found from any directory (a file at
 that path from the working directory wins).
 
-Settings: the defaults in `TrainConfig` (coat_ds/run_config.py), then a YAML file
+Settings: the defaults in `TrainConfig` (coat_ds/train/config.py), then a YAML file
 (`--config`), then flags (`--max-steps 100`); every value, and the DeepSpeed JSON, is checked
 before anything is built, and the resolved result is printed at start. The DeepSpeed JSON owns the
 optimizer (`"type": "CoatAdamW"` or a torch AdamW baseline), batch sizes, clipping and BF16
@@ -35,14 +35,14 @@ import torch.distributed as dist
 import yaml
 
 from coat_ds import Fp8LinearConfig, compress_activations, convert_to_fp8_linear
-from coat_ds.checkpoint import check_new_checkpoints
-from coat_ds.data import DataConfig, TokenData, batch_seed, load_data
-from coat_ds.ds_json import load_ds_config
-from coat_ds.engines import clipping_off_note, read_ds_settings, shutdown_distributed
-from coat_ds.integrations.deepspeed import comm_op_build_note, single_process_world
-from coat_ds.metrics import MetricsLog
-from coat_ds.model import Llama, model_config
-from coat_ds.run_config import TrainConfig, checkpoint_plan, parse_config
+from coat_ds.io.checkpoint_folders import check_new_checkpoints
+from coat_ds.train.data import DataConfig, TokenData, batch_seed, load_data
+from coat_ds.config.ds_json import load_ds_config
+from coat_ds.integrations.engine_setup import clipping_off_note, read_ds_settings, shutdown_distributed
+from coat_ds.integrations.deepspeed.engine import comm_op_build_note, single_process_world
+from coat_ds.train.metrics import MetricsLog
+from coat_ds.models.llama import Llama, model_config
+from coat_ds.train.config import TrainConfig, checkpoint_plan, parse_config
 from coat_ds.optim import nonfinite_groups
 from coat_ds.plan import apply_plan
 from coat_ds.plan.training import plan_for_run
@@ -91,9 +91,9 @@ def eval_loss_of(module: torch.nn.Module) -> Callable:
 
 
 def setup_deepspeed(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
-    from coat_ds.engines import optimizer_state_bytes
-    from coat_ds.integrations.deepspeed import initialize
-    from coat_ds.integrations.deepspeed_checkpoint import load_checkpoint, save_checkpoint
+    from coat_ds.integrations.engine_setup import optimizer_state_bytes
+    from coat_ds.integrations.deepspeed.engine import initialize
+    from coat_ds.integrations.deepspeed.checkpoint import load_checkpoint, save_checkpoint
 
     engine, _, _, _ = initialize(
         model=model, config=cfg.deepspeed,
@@ -121,7 +121,7 @@ def setup_deepspeed(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
 
 def setup_fsdp_engine(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
     """FSDP2 or FSDP1 with the optimizer, batch sizes, clipping and BF16 of the DeepSpeed JSON."""
-    from coat_ds.engines import build_optimizer, optimizer_state_bytes, read_ds_settings
+    from coat_ds.integrations.engine_setup import build_optimizer, optimizer_state_bytes, read_ds_settings
     from coat_ds.integrations.fsdp import (clip_grad_norm_, load_checkpoint_folder, resolve_checkpoint,
                                            save_checkpoint, setup_fsdp)
 

@@ -42,10 +42,10 @@ import _common as C  # noqa: F401  (puts the measured tree's coat_ds on the path
 import torch
 
 from coat_ds import CoatAdamW, Fp8LinearConfig, compress_activations, convert_to_fp8_linear  # noqa: E402
-from coat_ds.atomic import atomic_write  # noqa: E402
-from coat_ds.data import DataConfig, batch_seed, load_data  # noqa: E402
+from coat_ds.io.atomic import atomic_write  # noqa: E402
+from coat_ds.train.data import DataConfig, batch_seed, load_data  # noqa: E402
 from coat_ds.kernels import get_format, reference as R  # noqa: E402
-from coat_ds.model import Llama, model_config  # noqa: E402
+from coat_ds.models.llama import Llama, model_config  # noqa: E402
 
 VARIANTS = {
     "adamw": "torch AdamW",

@@ -221,8 +221,8 @@ def run_loop(args) -> dict:
     forward, backward, clipping and opt.step() each closed by a synchronize (odd steps)."""
     from accuracy import lr_at
     from coat_ds import CoatAdamW, compress_activations
-    from coat_ds.data import DataConfig, batch_seed, load_data
-    from coat_ds.model import Llama, model_config
+    from coat_ds.train.data import DataConfig, batch_seed, load_data
+    from coat_ds.models.llama import Llama, model_config
 
     dev, tiny = C.device(), args.tiny
     preset, bs, seq, steps, warmup = ("tiny", 2, 64, 6, 2) if tiny else ("350m", 12, 1024, 28, 8)

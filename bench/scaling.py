@@ -146,7 +146,7 @@ def fsdp_memory(args) -> list[str]:
 
     from coat_ds import ActivationConfig, CoatAdamW
     from coat_ds.integrations.fsdp import setup_fsdp
-    from coat_ds.model import Llama, model_config
+    from coat_ds.models.llama import Llama, model_config
 
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")

@@ -9,25 +9,22 @@ from .plan import ApplyConfig, Plan, apply_plan, load_plan
 
 
 def register_deepspeed() -> None:
-    """`coat_ds.integrations.deepspeed_registry.register_deepspeed`: lets DeepSpeed's own
+    """`coat_ds.integrations.deepspeed.registry.register_deepspeed`: lets DeepSpeed's own
     `deepspeed.initialize` (and so HF Trainer and Accelerate) build CoatAdamW from
     `"type": "CoatAdamW"` by adding `torch.optim.CoatAdamW` and an entry in DeepSpeed's
     `ZERO_SUPPORTED_OPTIMIZERS`. Opt-in; idempotent."""
-    from .integrations.deepspeed_registry import register_deepspeed as register
+    from .integrations.deepspeed.registry import register_deepspeed as register
 
     register()
 
 
 def __getattr__(name: str):
-    # Loaded on first use, so that FSDP-only users never load the DeepSpeed integration:
-    # `coat_ds.deepspeed`, and `deepspeed_initialize`, which is
-    # `coat_ds.integrations.deepspeed.initialize` itself (its signature and doc, not a wrapper's).
-    import importlib
-
-    if name == "deepspeed":
-        return importlib.import_module(".deepspeed", __name__)
+    # `deepspeed_initialize` is `coat_ds.integrations.deepspeed.initialize` itself (its signature
+    # and doc, not a wrapper's), loaded on first use so that FSDP-only users never load the
+    # DeepSpeed integration.
     if name == "deepspeed_initialize":
-        initialize = importlib.import_module(".integrations.deepspeed", __name__).initialize
+        from .integrations.deepspeed import initialize
+
         globals()[name] = initialize
         return initialize
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from coat_ds.data import DataConfig, load_data
+from coat_ds.train.data import DataConfig, load_data
 
 _BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench")
 

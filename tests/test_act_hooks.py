@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 import coat_ds
 from coat_ds import ActivationConfig
 from coat_ds.activation.packing import FP8Saved, FP8View
-from coat_ds.model import Llama, ModelConfig
+from coat_ds.models.llama import Llama, ModelConfig
 from helpers import stored_as_is
 from test_act_llama_block import GRAD_SQNR_DB, Block, TinyLlama, block_grads, make_block, rope_tables, sqnr_db
 
@@ -338,7 +338,7 @@ def _train(compress: bool, steps: int = 300, fused_qkv: bool = False):
     # Token sequences from a fixed sparse Markov chain: learnable, with an entropy floor.
     g = torch.Generator().manual_seed(1)
     nxt = torch.randint(0, vocab, (vocab, 4), generator=g)
-    if fused_qkv:  # coat_ds.model's Llama: SDPA saves v as a gapped view of one qkv projection
+    if fused_qkv:  # coat_ds.models.llama's Llama: SDPA saves v as a gapped view of one qkv projection
         model = Llama(ModelConfig(vocab_size=vocab, dim=64, n_layers=2, n_heads=4, ffn_dim=176, max_seq_len=seq))
     else:
         model = TinyLlama(vocab=vocab, dim=64, layers=2, heads=4, kv_heads=2, hidden=176)

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from coat_ds.atomic import atomic_write
-from coat_ds.checkpoint import (
+from coat_ds.io.atomic import atomic_write
+from coat_ds.io.checkpoint_folders import (
     LATEST,
     RECORD,
     CheckpointError,
@@ -20,7 +20,7 @@ from coat_ds.checkpoint import (
     staged_save,
     staging_path,
 )
-from coat_ds.metrics import MetricsLog
+from coat_ds.train.metrics import MetricsLog
 
 
 def _save(save_dir, name, step, payload=b"x" * 100):

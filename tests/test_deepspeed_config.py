@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from coat_ds import CoatAdamW
-from coat_ds.checks import ConfigError
-from coat_ds.engines import read_ds_settings
-from coat_ds.integrations.deepspeed import OPTIMIZER_PARAMS, initialize, prepare_config
+from coat_ds.config.checks import ConfigError
+from coat_ds.integrations.engine_setup import read_ds_settings
+from coat_ds.integrations.deepspeed.engine import OPTIMIZER_PARAMS, initialize, prepare_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

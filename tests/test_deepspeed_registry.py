@@ -1,4 +1,4 @@
-"""register_deepspeed() and the `coat_ds.deepspeed` attribute, in-process (the 2-rank runs
+"""register_deepspeed() and `coat_ds.deepspeed_initialize`, in-process (the 2-rank runs
 through DeepSpeed, Trainer and Accelerate are in test_hf.py)."""
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def clean_registry(monkeypatch):
 
 
 def test_register_adds_exactly_the_two_entries_once(clean_registry):
-    from coat_ds.integrations.deepspeed_registry import is_registered
+    from coat_ds.integrations.deepspeed.registry import is_registered
 
     before_optim = set(vars(torch.optim))
     before_zero = list(clean_registry.ZERO_SUPPORTED_OPTIMIZERS)
@@ -41,19 +41,22 @@ def test_register_refuses_to_replace_another_torch_optim_name(clean_registry, mo
     assert coat_ds.CoatAdamW not in clean_registry.ZERO_SUPPORTED_OPTIMIZERS
 
 
-def test_coat_ds_deepspeed_needs_no_extra_import(monkeypatch):
-    # What docs/deepspeed.md's first snippet does after a bare `import coat_ds`.
-    monkeypatch.delitem(sys.modules, "coat_ds.deepspeed", raising=False)
-    monkeypatch.delattr(coat_ds, "deepspeed", raising=False)
-    assert callable(coat_ds.deepspeed.initialize)
+def test_one_name_per_entry_point():
+    # `coat_ds.deepspeed_initialize` is the integration's `initialize` itself, reached without an
+    # extra import; the old `coat_ds.deepspeed` alias module is gone (one name per thing).
+    from coat_ds.integrations.deepspeed import initialize
+
+    assert coat_ds.deepspeed_initialize is initialize
+    with pytest.raises(AttributeError, match="no attribute 'deepspeed'"):
+        coat_ds.deepspeed
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         coat_ds.nope
 
 
 def test_mark_zero_tested_adds_only_the_zero_entry(clean_registry):
-    # What coat_ds.deepspeed.initialize does on its own: DeepSpeed's ZeRO check then knows
+    # What coat_ds.deepspeed_initialize does on its own: DeepSpeed's ZeRO check then knows
     # CoatAdamW (no "untested optimizer" warning), and torch.optim stays as it was.
-    from coat_ds.integrations.deepspeed_registry import is_registered, mark_zero_tested
+    from coat_ds.integrations.deepspeed.registry import is_registered, mark_zero_tested
 
     before = list(clean_registry.ZERO_SUPPORTED_OPTIMIZERS)
     mark_zero_tested()

@@ -43,8 +43,8 @@ def ds_config(stage: int, grad_accum: int = 1, offload: bool = False) -> dict:
 # -- worker side ------------------------------------------------------------------------------
 
 def _engine(stage: int, grad_accum: int = 1, offload: bool = False):
-    from coat_ds.integrations.deepspeed import initialize
-    from coat_ds.model import Llama, model_config
+    from coat_ds.integrations.deepspeed.engine import initialize
+    from coat_ds.models.llama import Llama, model_config
 
     torch.manual_seed(0)
     model = Llama(model_config("tiny", max_seq_len=32))
@@ -53,7 +53,7 @@ def _engine(stage: int, grad_accum: int = 1, offload: bool = False):
 
 
 def _data():
-    from coat_ds.data import DataConfig, load_data
+    from coat_ds.train.data import DataConfig, load_data
 
     return load_data(DataConfig(max_bytes=300_000))
 
@@ -61,7 +61,7 @@ def _data():
 def _train(engine, data, steps: range, ranks: list[int]) -> list[float]:
     """One optimizer step per entry of `steps`; micro-batch i of a step is what rank
     ranks[i] of a 2-rank run would draw, so 1 rank x 2 micro-steps sees a 2-rank batch."""
-    from coat_ds.data import batch_seed
+    from coat_ds.train.data import batch_seed
 
     losses = []
     for step in steps:
@@ -96,7 +96,7 @@ def _same_state(a: dict, b_opt) -> bool:
 
 
 def worker_zero(stage: int, out: str) -> None:
-    from coat_ds.integrations.deepspeed import coat_optimizer, local_partitions, state_memory_report
+    from coat_ds.integrations.deepspeed.engine import coat_optimizer, local_partitions, state_memory_report
 
     data = _data()
     engine = _engine(stage)
@@ -149,8 +149,8 @@ def worker_zero(stage: int, out: str) -> None:
 
 def worker_reshard(stage: int, out: str) -> None:
     """One rank (2 micro-steps per step) resumes the 2-rank checkpoint of worker_zero."""
-    from coat_ds.integrations.deepspeed import coat_optimizer
-    from coat_ds.integrations.deepspeed_checkpoint import consolidate_checkpoint, load_checkpoint
+    from coat_ds.integrations.deepspeed.engine import coat_optimizer
+    from coat_ds.integrations.deepspeed.checkpoint import consolidate_checkpoint, load_checkpoint
 
     data = _data()
     engine = _engine(stage, grad_accum=2)
@@ -287,7 +287,7 @@ def test_resume_two_ranks_on_one(runs, stage):
 
 @pytest.mark.slow
 def test_offline_converter_cli(runs, tmp_path):
-    from coat_ds.integrations.deepspeed_checkpoint import FORMAT, main
+    from coat_ds.integrations.deepspeed.checkpoint import FORMAT, main
 
     ranks = runs(2)
     out = tmp_path / "fp32.pt"

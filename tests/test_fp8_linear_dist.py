@@ -104,9 +104,9 @@ def _zero(rank: int, stage: int) -> dict:
     converted tiny Llama trains, and its first loss matches the unconverted model's (run
     without DeepSpeed) within FP8's error."""
     import coat_ds
-    from coat_ds.data import DataConfig, batch_seed, load_data
-    from coat_ds.integrations.deepspeed import initialize
-    from coat_ds.model import Llama, model_config
+    from coat_ds.train.data import DataConfig, batch_seed, load_data
+    from coat_ds.integrations.deepspeed.engine import initialize
+    from coat_ds.models.llama import Llama, model_config
 
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
               "optimizer": {"type": "CoatAdamW", "params": {"lr": 1e-2, "min_quant_numel": 1024}},

@@ -195,7 +195,7 @@ def test_state_bytes_count_the_skip_counters():
 
 @pytest.mark.filterwarnings("ignore:CoatAdamW skipped")
 def test_deepspeed_fp32_converter_folds_skips_like_fp32_state_dict():
-    from coat_ds.integrations.deepspeed_checkpoint import _fp32_moments
+    from coat_ds.integrations.deepspeed.checkpoint import _fp32_moments
 
     # A flat ZeRO-1/2 partition (one row), its second group skipped on two steps.
     flat = torch.nn.Parameter(torch.randn(300))

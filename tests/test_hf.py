@@ -67,7 +67,7 @@ def _reset_hf_state() -> None:
 
 def _digest(engine) -> str:
     """Hash of this rank's FP32 master partitions and CoatAdamW state, in a fixed order."""
-    from coat_ds.integrations.deepspeed import coat_optimizer, local_partitions
+    from coat_ds.integrations.deepspeed.engine import coat_optimizer, local_partitions
 
     h = hashlib.sha256()
     opt = coat_optimizer(engine)
@@ -115,7 +115,7 @@ def _losses(trainer) -> dict[int, float]:
 
 def _trainer_scenario(out: str, stage: int, route: str) -> dict:
     from coat_ds import CoatAdamW
-    from coat_ds.integrations.deepspeed import coat_optimizer
+    from coat_ds.integrations.deepspeed.engine import coat_optimizer
 
     run = os.path.join(out, f"trainer_{route}_zero{stage}")
     full = _trainer(run, stage, route)
@@ -137,7 +137,7 @@ def _trainer_scenario(out: str, stage: int, route: str) -> dict:
 def _silent_replacement(out: str) -> dict:
     """The case transformers gives no sign of: CoatAdamW passed through `optimizers=`."""
     import coat_ds
-    from coat_ds.integrations.deepspeed import coat_optimizer
+    from coat_ds.integrations.deepspeed.engine import coat_optimizer
     from coat_ds.optim.watch import REPLACED_MESSAGE
 
     dropped = coat_ds.CoatAdamW(_model().parameters())
@@ -158,7 +158,7 @@ def _accelerate(stage: int) -> dict:
     from accelerate.utils import DeepSpeedPlugin, DummyOptim
 
     from coat_ds import CoatAdamW
-    from coat_ds.integrations.deepspeed import coat_optimizer
+    from coat_ds.integrations.deepspeed.engine import coat_optimizer
 
     _reset_hf_state()
     cfg = ds_config(stage)
@@ -189,7 +189,7 @@ def _plain_deepspeed() -> dict:
     import deepspeed
 
     import coat_ds
-    from coat_ds.integrations.deepspeed import coat_optimizer
+    from coat_ds.integrations.deepspeed.engine import coat_optimizer
 
     cfg = {**ds_config(2), "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
            "gradient_clipping": 1.0}

@@ -14,10 +14,10 @@ import pytest
 from helpers import ROOT
 
 import coat_ds
-from coat_ds.engines import clipping_off_note
-from coat_ds.integrations.deepspeed import LAUNCH_VARS, comm_op_build_note, single_process_world
-from coat_ds.run_config import parse_config
-from coat_ds.shipped_configs import find_ds_config, shipped_dirs
+from coat_ds.integrations.engine_setup import clipping_off_note
+from coat_ds.integrations.deepspeed.engine import LAUNCH_VARS, comm_op_build_note, single_process_world
+from coat_ds.train.config import parse_config
+from coat_ds.config.shipped import find_ds_config, shipped_dirs
 
 TRAIN = os.path.join(ROOT, "train.py")
 _ALL_LAUNCH_VARS = LAUNCH_VARS + ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK",
@@ -83,7 +83,7 @@ def test_deepspeed_initialize_plain_python_from_another_directory(tmp_path):
     script.write_text(
         "import torch\n"
         "import coat_ds\n"
-        "from coat_ds.model import Llama, model_config\n"
+        "from coat_ds.models.llama import Llama, model_config\n"
         "model = Llama(model_config('tiny'))\n"
         "engine, optimizer, _, _ = coat_ds.deepspeed_initialize(model=model, config='ds_configs/coat_zero2.json',\n"
         "                                                       model_parameters=model.parameters())\n"

@@ -101,7 +101,7 @@ def test_plain_fp32_view_loads_within_one_fp8_rounding():
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_consolidation_unchanged(stage, tmp_path):
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from coat_ds.integrations.deepspeed_checkpoint import consolidate_checkpoint
+    from coat_ds.integrations.deepspeed.checkpoint import consolidate_checkpoint
 
     ckpt = shutil.copytree(os.path.join(FIXTURES, f"zero{stage}"), tmp_path / "ckpt")
     want = _load(f"zero{stage}", "consolidated.pt")
@@ -113,8 +113,8 @@ def test_deepspeed_consolidation_unchanged(stage, tmp_path):
 
 
 def worker_zero(stage: int, ckpt: str) -> None:
-    from coat_ds.integrations.deepspeed import local_partitions
-    from coat_ds.integrations.deepspeed_checkpoint import load_checkpoint
+    from coat_ds.integrations.deepspeed.engine import local_partitions
+    from coat_ds.integrations.deepspeed.checkpoint import load_checkpoint
 
     engine = gen.ds_engine(stage)
     _, client = load_checkpoint(engine, ckpt)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import coat_ds
-from coat_ds.model import Llama, model_config
+from coat_ds.models.llama import Llama, model_config
 from coat_ds.plan import (CostModel, MeasureConfig, Plan, apply_plan, decoder_layers, measure_choices, measure_plan,
                           search_plan, training_loss)
 from helpers import sqnr_db

@@ -6,11 +6,11 @@ import sys
 
 import pytest
 
-from coat_ds.engines import read_ds_settings
-from coat_ds.model import Llama, model_config
+from coat_ds.integrations.engine_setup import read_ds_settings
+from coat_ds.models.llama import Llama, model_config
 from coat_ds.plan import Plan
 from coat_ds.plan.training import plan_for_run
-from coat_ds.run_config import parse_config
+from coat_ds.train.config import parse_config
 from helpers import run_in_repo
 
 _BASE = [sys.executable, "train.py", "--fsdp", "--config", "configs/tiny.yaml", "--log-interval", "1",

@@ -337,7 +337,7 @@ def test_gpu_search_survives_out_of_memory(monkeypatch):
 _ZERO3_CLOSE = """
 import gc, weakref, torch, torch.distributed as dist
 dist.init_process_group("gloo")
-from coat_ds.profile.engines import build_trainee, load_side
+from coat_ds.profile.trainee import build_trainee, load_side
 from coat_ds.profile.measure import train_step
 from coat_ds.profile.run import resolve_model
 _, mcfg, seq = resolve_model("tiny", 32)

@@ -14,7 +14,7 @@ from helpers import ROOT
 
 from coat_ds.profile import SideMeasurement, parse_options
 from coat_ds.profile.report import chart_stacks
-from coat_ds.shipped_configs import resolve_ds_config
+from coat_ds.config.shipped import resolve_ds_config
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ def test_deepspeed_initialize_has_the_real_signature_without_loading_deepspeed()
         "import inspect, json, sys\n"
         "import coat_ds\n"
         "loaded = 'deepspeed' in sys.modules\n"
-        "from coat_ds.integrations.deepspeed import initialize\n"
+        "from coat_ds.integrations.deepspeed.engine import initialize\n"
         "print(json.dumps({'loaded': loaded, 'after': 'deepspeed' in sys.modules,\n"
         "    'same': inspect.signature(coat_ds.deepspeed_initialize) == inspect.signature(initialize),\n"
         "    'sig': str(inspect.signature(coat_ds.deepspeed_initialize)),\n"

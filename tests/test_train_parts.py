@@ -11,8 +11,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import train  # noqa: E402
-from coat_ds.data import DataConfig, batch_seed, load_data  # noqa: E402
-from coat_ds.model import PRESETS, Llama, model_config  # noqa: E402
+from coat_ds.train.data import DataConfig, batch_seed, load_data  # noqa: E402
+from coat_ds.models.llama import PRESETS, Llama, model_config  # noqa: E402
 
 
 def test_flags_override_yaml_override_defaults(tmp_path):

@@ -47,7 +47,7 @@ from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 from torch.distributed.tensor import DTensor
 
 from ..activation import compress_activations
-from ..checkpoint import CheckpointError, fault_point, find_checkpoint, report_skipped, staged_save
+from ..io.checkpoint_folders import CheckpointError, fault_point, find_checkpoint, report_skipped, staged_save
 from ..config import ActivationConfig
 from ..optim.sharded import mark_global_numel
 from ..optim.state import MOMENTS
@@ -246,7 +246,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optim, step: int)
 
     Written as `.<name>.partial` next to `path` and renamed to `path`, with its completion
     record, once every rank has finished; the parent's `latest` then names it. Refuses an
-    existing `path` (see `coat_ds.checkpoint`). Returns the folder."""
+    existing `path` (see `coat_ds.io.checkpoint_folders`). Returns the folder."""
     state = _state(model, optim)
     state["train"] = {"step": torch.tensor(int(step), dtype=torch.int64)}
     final = os.path.abspath(os.fspath(path))

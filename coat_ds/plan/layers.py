@@ -9,7 +9,7 @@ __all__ = ["decoder_layers", "vocab_size_of", "training_loss"]
 
 def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(fqn, layer) of the ModuleList holding most of the model's parameters: `model.layers`
-    of a Hugging Face decoder, `blocks` of coat_ds.model.Llama."""
+    of a Hugging Face decoder, `blocks` of coat_ds.models.llama.Llama."""
     best, best_params = None, 0
     for fqn, m in model.named_modules():
         if isinstance(m, nn.ModuleList) and len(m):
@@ -34,7 +34,7 @@ def vocab_size_of(model: nn.Module) -> int:
 
 def training_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy of `ids` (batch, seq + 1): a Hugging Face causal LM through
-    `labels=`, anything else (coat_ds.model.Llama) as `model(inputs, targets)`."""
+    `labels=`, anything else (coat_ds.models.llama.Llama) as `model(inputs, targets)`."""
     if hasattr(model, "config") and hasattr(model, "get_output_embeddings"):
         return model(input_ids=ids[:, :-1], labels=ids[:, :-1]).loss
     return model(ids[:, :-1], ids[:, 1:])

@@ -215,7 +215,7 @@ class _Session:
     def __init__(self, model: nn.Module, optimizer_factory: Callable, config: MeasureConfig, loss_fn, vocab_size):
         # Here, not at the top: the profiler package loads the DeepSpeed integration, which
         # `import coat_ds` must not.
-        from ..profile.engines import unique_storage_bytes
+        from ..profile.trainee import unique_storage_bytes
         from ..profile.meters import meter_for
 
         self.storage_bytes, self.meter_for = unique_storage_bytes, meter_for

@@ -6,7 +6,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from ..atomic import atomic_write
+from ..io.atomic import atomic_write
 
 __all__ = ["CHOICES", "Plan", "load_plan", "PLAN_VERSION"]
 

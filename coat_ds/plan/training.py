@@ -16,7 +16,7 @@ __all__ = ["plan_for_run"]
 
 
 def _optimizer_factory(ds_settings):
-    from ..engines import build_optimizer
+    from ..integrations.engine_setup import build_optimizer
 
     def build(params):
         try:

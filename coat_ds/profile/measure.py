@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .engines import Trainee, unique_storage_bytes
+from .trainee import Trainee, unique_storage_bytes
 from .meters import meter_for, saved_tensor_bytes
 
 __all__ = ["ActivationPoint", "SideMeasurement", "measure_side", "train_step", "random_batch"]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..shipped_configs import resolve_ds_config, shipped_dirs
+from ..config.shipped import resolve_ds_config, shipped_dirs
 
 __all__ = ["ProfileOptions", "build_parser", "parse_options", "child_argv", "ENGINES", "SIDES"]
 
@@ -19,7 +19,7 @@ SIDES = ("both", "baseline", "coat")
 class ProfileOptions:
     """One profiler run."""
 
-    model: str  # preset name from coat_ds.model.PRESETS, or a YAML file with `preset:` (and optional `seq_len:`)
+    model: str  # preset name from coat_ds.models.llama.PRESETS, or a YAML file with `preset:` (and optional `seq_len:`)
     engine: str = "none"  # "none" (one process, plain PyTorch), "deepspeed" or "fsdp"
     config: str = "ds_configs/coat_zero2.json"  # COAT side's DeepSpeed JSON (its optimizer on every engine)
     baseline: str = "ds_configs/bf16_zero2.json"  # DeepSpeed JSON of the BF16 + torch AdamW side; found as `config` is

@@ -10,10 +10,10 @@ import os
 
 import torch
 
-from ..model import Llama
+from ..models.llama import Llama
 from ..optim import CoatAdamW
 from ..plan import CostModel, MeasureConfig, Plan, measure_choices, measure_plan, search_verified
-from .engines import load_side
+from .trainee import load_side
 from .report import write_json, write_markdown
 
 __all__ = ["profile_plan", "plan_tables"]

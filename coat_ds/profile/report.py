@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from ..atomic import atomic_write
+from ..io.atomic import atomic_write
 
 __all__ = ["markdown_table", "write_json", "write_markdown", "chart_stacks", "write_chart", "CHART_SIZE_PX",
            "COMPONENTS"]

@@ -12,8 +12,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..model import PRESETS, model_config
-from .engines import build_trainee, load_side
+from ..models.llama import PRESETS, model_config
+from .trainee import build_trainee, load_side
 from .measure import SideMeasurement, measure_side, train_step, unless_oom
 from .options import ProfileOptions, child_argv
 from .report import markdown_table, write_chart, write_json, write_markdown

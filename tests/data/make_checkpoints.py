@@ -11,7 +11,7 @@ DeepSpeed's consolidation), which the test compares with what today's code loads
 
     checkpoints/plain/         torch.save of model.state_dict() and optimizer.state_dict() after
                                3 steps (one group skipped a NaN gradient), and fp32.pt
-    checkpoints/zero2/, zero3/ coat_ds.integrations.deepspeed_checkpoint.save_checkpoint of a
+    checkpoints/zero2/, zero3/ coat_ds.integrations.deepspeed.checkpoint.save_checkpoint of a
                                2-rank BF16 engine after 3 steps (save folder, checkpoint step3),
                                fp32_rank{0,1}.pt (each rank's partitions' FP32 moments) and
                                consolidated.pt (consolidate_checkpoint of it)
@@ -96,7 +96,7 @@ def ds_config(stage: int) -> dict:
 
 
 def ds_engine(stage: int):
-    from coat_ds.integrations.deepspeed import initialize
+    from coat_ds.integrations.deepspeed.engine import initialize
 
     torch.manual_seed(0)
     model = Tiny()
@@ -115,7 +115,7 @@ def ds_train(engine, steps: range) -> None:
 
 def ds_fp32_view(engine) -> list[dict]:
     """Each local partition's state in torch.optim.AdamW's layout (FP32 moments, skips folded)."""
-    from coat_ds.integrations.deepspeed import coat_optimizer, group_state_config, local_partitions
+    from coat_ds.integrations.deepspeed.engine import coat_optimizer, group_state_config, local_partitions
     from coat_ds.optim.state import to_fp32
 
     opt = coat_optimizer(engine)
@@ -162,7 +162,7 @@ def write_plain(out: str) -> None:
 
 
 def worker_ds(stage: int, out: str) -> None:
-    from coat_ds.integrations.deepspeed_checkpoint import consolidate_checkpoint, save_checkpoint
+    from coat_ds.integrations.deepspeed.checkpoint import consolidate_checkpoint, save_checkpoint
 
     engine = ds_engine(stage)
     ds_train(engine, range(STEPS))

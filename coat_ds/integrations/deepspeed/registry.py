@@ -1,6 +1,6 @@
 """`register_deepspeed()`: let DeepSpeed's own `deepspeed.initialize` build CoatAdamW from
 `"optimizer": {"type": "CoatAdamW", ...}`, so that Hugging Face Trainer and Accelerate, which
-call `deepspeed.initialize` themselves, accept the same JSON as `coat_ds.deepspeed.initialize`.
+call `deepspeed.initialize` themselves, accept the same JSON as `coat_ds.integrations.deepspeed.initialize`.
 
 How DeepSpeed 0.19.8 resolves `optimizer.type` (deepspeed/runtime/engine.py):
 - `_do_sanity_check` asserts `_is_supported_optimizer(name)`: one of DeepSpeed's own names or
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..optim import CoatAdamW
+from ...optim import CoatAdamW
 
 __all__ = ["register_deepspeed", "mark_zero_tested", "is_registered"]
 
@@ -44,7 +44,7 @@ def mark_zero_tested() -> None:
     """Add `coat_ds.CoatAdamW` to DeepSpeed's `ZERO_SUPPORTED_OPTIMIZERS` (idempotent): it is
     tested under ZeRO-1/2/3 and offload, and DeepSpeed warns "You are using ZeRO with an
     untested optimizer, proceed with caution" for any optimizer type not on that list.
-    `coat_ds.deepspeed.initialize` does this on its own."""
+    `coat_ds.integrations.deepspeed.initialize` does this on its own."""
     from deepspeed.runtime.zero import utils as zero_utils
 
     if CoatAdamW not in zero_utils.ZERO_SUPPORTED_OPTIMIZERS:

@@ -13,11 +13,11 @@ from torch import nn
 
 from ..activation import compress_activations
 from ..config import ActivationConfig
-from ..ds_json import load_ds_config
-from ..engines import optimizer_settings
-from ..integrations.deepspeed import local_partitions
+from ..config.ds_json import load_ds_config
+from ..integrations.engine_setup import optimizer_settings
+from ..integrations.deepspeed.engine import local_partitions
 from ..linear import convert_to_fp8_linear
-from ..model import Llama, ModelConfig
+from ..models.llama import Llama, ModelConfig
 from ..optim import CoatAdamW
 
 __all__ = ["Side", "load_side", "Trainee", "build_trainee", "unique_storage_bytes"]
@@ -177,7 +177,7 @@ class DeepSpeedTrainee(Trainee):
     engine = "deepspeed"
 
     def __init__(self, side: Side, model: nn.Module, device: torch.device):
-        from ..integrations.deepspeed import initialize
+        from ..integrations.deepspeed.engine import initialize
 
         super().__init__(side, model, device)
         # The coat_ds initializer builds CoatAdamW from the JSON; a baseline JSON passes through.

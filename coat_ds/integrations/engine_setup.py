@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .checks import ConfigError, boolean, choice, integer, number
-from .config import AdamWHyperparams
-from .ds_json import batch_sizes, check_keys, gradient_clipping, load_ds_config, precision, zero_stage
-from .integrations.deepspeed import prepare_config
-from .optim import CoatAdamW
+from ..config.checks import ConfigError, boolean, choice, integer, number
+from ..config import AdamWHyperparams
+from ..config.ds_json import batch_sizes, check_keys, gradient_clipping, load_ds_config, precision, zero_stage
+from .deepspeed.engine import prepare_config
+from ..optim import CoatAdamW
 
 __all__ = ["DsTrainSettings", "read_ds_settings", "clipping_off_note", "optimizer_settings", "build_optimizer",
            "optimizer_state_bytes", "shutdown_distributed"]

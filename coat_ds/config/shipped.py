@@ -16,7 +16,7 @@ __all__ = ["SHIPPED_PREFIX", "PRESETS_PREFIX", "shipped_dirs", "resolve_ds_confi
 
 SHIPPED_PREFIX = "ds_configs"
 PRESETS_PREFIX = "configs"
-_SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def shipped_dirs() -> list[str]:

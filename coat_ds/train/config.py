@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import yaml
 
-from .checks import ConfigError, boolean, choice, integer, number, text
-from .engines import read_ds_settings
-from .model import PRESETS
-from .shipped_configs import find_ds_config, find_train_preset
+from ..config.checks import ConfigError, boolean, choice, integer, number, text
+from ..integrations.engine_setup import read_ds_settings
+from ..models.llama import PRESETS
+from ..config.shipped import find_ds_config, find_train_preset
 
 __all__ = ["TrainConfig", "ENGINE_NAMES", "parse_config", "build_parser", "checkpoint_plan", "field_docs"]
 
@@ -35,7 +35,7 @@ class TrainConfig:
     """Every setting of a run, with its default."""
 
     # model and data
-    preset: str = "small"  # model size, one of coat_ds.model.PRESETS
+    preset: str = "small"  # model size, one of coat_ds.models.llama.PRESETS
     seq_len: int = 256  # tokens per sequence
     data: str = "stdlib"  # "stdlib" (Python's own sources), a text file, or a pre-tokenised .bin
     bin_dtype: str = "uint16"  # element type of a .bin data file

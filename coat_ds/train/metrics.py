@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import os
 
-from .atomic import atomic_write
+from ..io.atomic import atomic_write
 
 __all__ = ["MetricsLog"]
 

@@ -15,8 +15,8 @@ shaped like the partition. So a resume at another size goes through the FP32 lay
 
 `load_checkpoint(engine, dir)` picks the direct or the converting path by the saved world size.
 `save_checkpoint(engine, save_dir, tag)` wraps `engine.save_checkpoint` so that the checkpoint
-becomes visible only once every rank has written it (`coat_ds.checkpoint`).
-Command line: `python -m coat_ds.integrations.deepspeed_checkpoint CKPT_DIR OUT.pt [--tag TAG]`.
+becomes visible only once every rank has written it (`coat_ds.io.checkpoint_folders`).
+Command line: `python -m coat_ds.integrations.deepspeed.checkpoint CKPT_DIR OUT.pt [--tag TAG]`.
 """
 from __future__ import annotations
 
@@ -29,10 +29,10 @@ import os
 
 import torch
 
-from ..atomic import atomic_write
-from ..checkpoint import CheckpointError, Found, fault_point, find_checkpoint, report_skipped, staged_save
-from ..optim import state as st
-from .deepspeed import coat_optimizer, group_state_config, local_partitions
+from ...io.atomic import atomic_write
+from ...io.checkpoint_folders import CheckpointError, Found, fault_point, find_checkpoint, report_skipped, staged_save
+from ...optim import state as st
+from .engine import coat_optimizer, group_state_config, local_partitions
 
 __all__ = ["FORMAT", "saved_world_size", "consolidate_checkpoint", "load_fp32_checkpoint", "load_checkpoint",
            "save_checkpoint"]
@@ -49,7 +49,7 @@ _ENGINE_KEYS = frozenset({
 
 def _resolve(load_dir: str, tag: str | None) -> Found:
     """The checkpoint folder to read: `load_dir/tag`, or `load_dir` itself when it is one,
-    or the newest complete checkpoint in `load_dir` (see `coat_ds.checkpoint`)."""
+    or the newest complete checkpoint in `load_dir` (see `coat_ds.io.checkpoint_folders`)."""
     found = find_checkpoint(os.path.join(load_dir, str(tag)) if tag is not None else load_dir)
     report_skipped(found)
     return found
@@ -298,7 +298,7 @@ def load_fp32_checkpoint(engine, ckpt) -> dict:
 def load_checkpoint(engine, load_dir: str, tag: str | None = None) -> tuple[str, dict]:
     """`engine.load_checkpoint` when the world size matches the saved one (bit-exact), else
     consolidate and re-partition through the FP32 layout. `load_dir` is a save_dir (then
-    `tag`, or its newest complete checkpoint, see `coat_ds.checkpoint.find_checkpoint`) or one
+    `tag`, or its newest complete checkpoint, see `coat_ds.io.checkpoint_folders.find_checkpoint`) or one
     checkpoint folder. Returns (the checkpoint folder loaded, client_state)."""
     ckpt_dir = _tag_dir(load_dir, tag)
     if saved_world_size(ckpt_dir) == engine.dp_world_size:

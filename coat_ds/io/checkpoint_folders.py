@@ -48,7 +48,7 @@ __all__ = ["RECORD", "LATEST", "FORMAT", "CheckpointError", "Found", "staged_sav
 
 RECORD = "coat_ds_checkpoint.json"  # completion record, written last inside each checkpoint folder
 LATEST = "latest"  # save_dir/latest: the newest complete checkpoint's name (DeepSpeed's convention)
-FORMAT = "coat_ds.checkpoint/1"
+FORMAT = "coat_ds.io.checkpoint_folders/1"
 _PARTIAL = ".partial"
 _STEP_NAME = re.compile(r"^step(\d+)$")
 
@@ -269,7 +269,7 @@ class Found:
 
     path: str  # the checkpoint folder
     step: int | None  # its step from the completion record (None: a folder without one)
-    record: dict | None  # the completion record (None: a folder saved without coat_ds.checkpoint)
+    record: dict | None  # the completion record (None: a folder saved without coat_ds.io.checkpoint_folders)
     skipped: tuple[tuple[str, str], ...] = ()  # (folder, why) of each incomplete candidate passed over
 
 

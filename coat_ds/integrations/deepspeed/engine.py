@@ -27,12 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import OptimStateConfig
-from ..ds_json import batch_keys, check_keys, load_ds_config
-from ..optim import CoatAdamW
-from ..optim import state as st
-from ..shipped_configs import find_ds_config
-from .deepspeed_registry import mark_zero_tested
+from ...config import OptimStateConfig
+from ...config.ds_json import batch_keys, check_keys, load_ds_config
+from ...optim import CoatAdamW
+from ...optim import state as st
+from ...config.shipped import find_ds_config
+from .registry import mark_zero_tested
 
 __all__ = [
     "OPTIMIZER_TYPE",
@@ -84,11 +84,11 @@ def prepare_config(config) -> tuple[dict, dict | None]:
         # treats tensors not shaped like the partition (our scales) as replicated.
         raise ValueError("DeepSpeed config: zero_optimization.elastic_checkpoint=true is not supported with "
                          f"{OPTIMIZER_TYPE}: it would corrupt the per-group FP8 scales. Leave it false; to resume at "
-                         "another data-parallel size use coat_ds.integrations.deepspeed_checkpoint.load_checkpoint")
+                         "another data-parallel size use coat_ds.integrations.deepspeed.checkpoint.load_checkpoint")
     if (ds.get("checkpoint") or {}).get("load_universal"):
         raise ValueError("DeepSpeed config: checkpoint.load_universal=true is not supported with "
                          f"{OPTIMIZER_TYPE} (universal checkpoints assume FP32 exp_avg/exp_avg_sq); use "
-                         "coat_ds.integrations.deepspeed_checkpoint to change the data-parallel size")
+                         "coat_ds.integrations.deepspeed.checkpoint to change the data-parallel size")
     offload = (zero.get("offload_optimizer") or {}).get("device", "none")
     if offload == "nvme":
         raise ValueError(f"DeepSpeed config: offload_optimizer.device='nvme' is not supported with {OPTIMIZER_TYPE} "

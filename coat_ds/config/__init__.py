@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .kernels.fp8 import get_format
+from ..kernels.fp8 import get_format
 
 __all__ = ["OptimStateConfig", "AdamWHyperparams", "ActivationConfig", "Fp8LinearConfig"]
 
