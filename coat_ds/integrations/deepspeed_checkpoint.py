@@ -18,8 +18,9 @@ shaped like the partition. So a resume at another size goes through the FP32 lay
 becomes visible only once every rank has written it (`coat_ds.checkpoint`).
 
 Every load here reads DeepSpeed's files weights-only, DeepSpeed's own `torch.load` calls
-included, permitting besides torch's types only the few DeepSpeed pickles (`_DEEPSPEED_GLOBALS`);
-a file holding anything else is refused naming it, unless `trust_checkpoint=True`.
+included, permitting besides torch's types only the four DeepSpeed pickles
+(`_deepspeed_globals`); a file holding anything else is refused naming it, unless
+`trust_checkpoint=True`.
 Command line: `python -m coat_ds.integrations.deepspeed_checkpoint CKPT_DIR OUT.pt [--tag TAG]
 [--trust-checkpoint]`.
 """
