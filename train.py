@@ -107,7 +107,7 @@ def setup_deepspeed(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
 
 
     def load(load_dir):
-        return load_checkpoint(engine, load_dir)
+        return load_checkpoint(engine, load_dir, trust_checkpoint=cfg.trust_checkpoint)
 
     base_optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)  # inside ZeRO's wrapper
     return Runner(train_micro_step, eval_loss_of(engine),
@@ -147,8 +147,8 @@ def setup_fsdp_engine(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
 
 
     def load(load_dir):
-        folder = resolve_checkpoint(load_dir)
-        step = load_checkpoint_folder(folder, model, optim)  # resolved and verified once, above
+        folder = resolve_checkpoint(load_dir, cfg.trust_checkpoint)
+        step = load_checkpoint_folder(folder, model, optim, cfg.trust_checkpoint)  # resolved and verified once, above
         # The scheduler is not in the checkpoint: put it, and the LR it sets, at `step`.
         sched.last_epoch = step
         for group, base in zip(optim.param_groups, sched.base_lrs):

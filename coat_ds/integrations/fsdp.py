@@ -14,6 +14,10 @@ reshards it to another number of ranks. FSDP1's optimizer-state machinery only k
 FP32 tensors shaped like its flat shards, so FSDP1 checkpoints carry the moments in
 torch.optim.AdamW's layout (dequantized FP32) and loading quantizes them again: resharding
 works for free, at the cost of one FP8 rounding of the moments at each resume.
+
+Loading unpickles DCP's `.metadata` and its non-tensor values (param-group options) with only
+DCP's own types and torch's weights-only types allowed; anything else is refused naming it
+and the file, unless `trust_checkpoint=True`.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -47,7 +52,16 @@ from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 from torch.distributed.tensor import DTensor
 
 from ..activation import compress_activations
-from ..io.checkpoint_folders import CheckpointError, fault_point, find_checkpoint, report_skipped, staged_save
+from ..io.checkpoint_folders import (
+    CheckpointError,
+    fault_point,
+    find_checkpoint,
+    load_dcp_metadata,
+    reading_file,
+    report_skipped,
+    staged_save,
+    weights_only_loads,
+)
 from ..config import ActivationConfig
 from ..optim.sharded import mark_global_numel
 from ..optim.state import MOMENTS
@@ -228,11 +242,48 @@ class _GuardedFileSystem(FileSystem):
             try:
                 with super().create_stream(path, mode) as stream:
                     yield stream
+            except CheckpointError:  # already names the file
+                raise
             except Exception as e:
                 raise CheckpointError(f"cannot read {path}: {type(e).__name__}: {e}") from e
             return
         with fault_point(path), super().create_stream(path, mode) as stream:
             yield stream
+
+
+class _Reader(dcp.FileSystemReader):
+    """DCP's reader on `_GuardedFileSystem`, its `.metadata` unpickled by `load_dcp_metadata`."""
+
+    def __init__(self, folder, trust_checkpoint: bool):
+        super().__init__(folder)
+        self.fs = _GuardedFileSystem()
+        self.trust_checkpoint = trust_checkpoint
+
+    def read_metadata(self, *args, **kwargs):
+        if self.trust_checkpoint:
+            return super().read_metadata(*args, **kwargs)
+        rank = kwargs.get("rank")
+        path = self.fs.concat_path(self.path, ".metadata" if rank is None else f"__{rank}.metadata")
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = load_dcp_metadata(f, path)
+        if metadata.storage_meta is None:  # older DCP versions wrote none; torch's reader adds it too
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _LoadPlanner(dcp.DefaultLoadPlanner):
+    """DCP's planner with the non-tensor values (DCP torch.saves each) unpickled weights-only
+    unless trusted, a refusal naming the data file."""
+
+    def __init__(self, folder, trust_checkpoint: bool, **kwargs):
+        super().__init__(**kwargs)
+        self.folder, self.trust_checkpoint = os.fspath(folder), trust_checkpoint
+
+    def load_bytes(self, read_item, value):
+        path = os.path.join(self.folder, self.metadata.storage_data[read_item.storage_index].relative_path)
+        with weights_only_loads(self.trust_checkpoint), reading_file(path, self.trust_checkpoint, source=value):
+            super().load_bytes(read_item, value)
 
 
 def _state(model: nn.Module, optim) -> dict:
@@ -257,32 +308,33 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optim, step: int)
     return final
 
 
-def resolve_checkpoint(path: str | os.PathLike) -> str:
+def resolve_checkpoint(path: str | os.PathLike, trust_checkpoint: bool = False) -> str:
     """The checkpoint folder `load_checkpoint` reads for `path`: `path` itself when it is
     one, else the newest complete checkpoint in it (incomplete ones reported on stderr)."""
-    found = find_checkpoint(path)
+    found = find_checkpoint(path, trust_checkpoint)
     report_skipped(found)
     return found.path
 
 
-def load_checkpoint(path: str | os.PathLike, model: nn.Module, optim) -> int:
+def load_checkpoint(path: str | os.PathLike, model: nn.Module, optim, trust_checkpoint: bool = False) -> int:
     """Load a `save_checkpoint` folder, or the newest complete one in the save folder `path`,
     into `model` and `optim`, possibly saved on a different number of ranks (call on every
-    rank); returns the saved step."""
-    return load_checkpoint_folder(resolve_checkpoint(path), model, optim)
+    rank); returns the saved step. Unpickles only DCP's and torch's weights-only types unless
+    `trust_checkpoint` (see the module's doc)."""
+    return load_checkpoint_folder(resolve_checkpoint(path, trust_checkpoint), model, optim, trust_checkpoint)
 
 
-def load_checkpoint_folder(folder: str | os.PathLike, model: nn.Module, optim) -> int:
+def load_checkpoint_folder(folder: str | os.PathLike, model: nn.Module, optim, trust_checkpoint: bool = False) -> int:
     """`load_checkpoint` of the checkpoint folder `resolve_checkpoint` returned, without
     searching or verifying it again; returns the saved step."""
     state = _state(model, optim)
     state["train"] = {"step": torch.zeros((), dtype=torch.int64)}
+    reader = _Reader(folder, trust_checkpoint)
+    reader.read_metadata()  # a refused .metadata fails here with its own error; DCP would bury it
     # FSDP1's ShardedTensors of parameters this rank holds no element of have no local
     # shard; DCP's default flattening drops them, finds keys "missing" and mistakes the
     # checkpoint for the pre-2.4 layout. Unflattened they simply read nothing.
-    planner = dcp.DefaultLoadPlanner(flatten_sharded_tensors=False) if is_fsdp1(model) else None
-    reader = dcp.FileSystemReader(folder)
-    reader.fs = _GuardedFileSystem()
+    planner = _LoadPlanner(folder, trust_checkpoint, flatten_sharded_tensors=not is_fsdp1(model))
     dcp.load(state, storage_reader=reader, planner=planner)
     if is_fsdp1(model):
         with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(),

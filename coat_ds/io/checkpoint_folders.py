@@ -21,6 +21,13 @@ incomplete candidate is reported by name (a `.stepN.partial` that holds every fi
 record, killed before its rename, as a complete save never published). A file missing from,
 or shorter or longer than, the record fails with its path.
 
+Checkpoint files are pickles, and unpickling runs whatever function the file names: one from a
+shared folder or a model hub could run code on load. So every load reads them weights-only
+(`weights_only_loads`, `load_file`, `load_dcp_metadata`): tensors, containers, numbers, strings
+and the types torch allows, plus the exact types DeepSpeed and coat_ds write. Anything else is
+refused with a `CheckpointError` naming it and the file, unless the caller passes
+`trust_checkpoint=True`.
+
 Tests kill a rank inside a save through `COAT_DS_CKPT_FAULT` (see `fault_point`).
 """
 from __future__ import annotations
@@ -28,6 +35,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pathlib
+import pickle
 import re
 import shutil
 import signal
@@ -35,7 +44,7 @@ import sys
 import time
 import zipfile
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -44,7 +53,7 @@ from .atomic import atomic_write, fsync_dir, remove_stale_temps
 
 __all__ = ["RECORD", "LATEST", "FORMAT", "CheckpointError", "Found", "staged_save", "find_checkpoint",
            "staging_path", "read_record", "check_new_checkpoints", "check_files", "fault_point", "skipped_message",
-           "report_skipped"]
+           "report_skipped", "weights_only_loads", "reading_file", "load_file", "load_dcp_metadata"]
 
 RECORD = "coat_ds_checkpoint.json"  # completion record, written last inside each checkpoint folder
 LATEST = "latest"  # save_dir/latest: the newest complete checkpoint's name (DeepSpeed's convention)
@@ -188,11 +197,11 @@ def read_record(folder: str | os.PathLike, verify: bool = True) -> dict | None:
     return record
 
 
-def check_files(folder: str | os.PathLike) -> None:
+def check_files(folder: str | os.PathLike, trust_checkpoint: bool = False) -> None:
     """Cheap readability checks of a checkpoint folder without a completion record, failing
     with the path of the first bad file: every torch.save zip file must have its central
     directory (a cut-short file has none), every DCP data file must be long enough for what
-    `.metadata` says it holds."""
+    `.metadata` says it holds (read as `load_dcp_metadata` does)."""
     folder = os.fspath(folder)
     for name in sorted(os.listdir(folder)):
         full = os.path.join(folder, name)
@@ -201,13 +210,10 @@ def check_files(folder: str | os.PathLike) -> None:
                 zipped = f.read(4) == b"PK\x03\x04"  # else torch's legacy pickle format: not checkable
             if zipped and not zipfile.is_zipfile(full):
                 raise CheckpointError(f"{full} is truncated or damaged (no zip central directory)")
-    if os.path.isfile(os.path.join(folder, ".metadata")):
-        from torch.distributed.checkpoint import FileSystemReader
-
-        try:
-            storage = FileSystemReader(folder).read_metadata().storage_data
-        except Exception as e:
-            raise CheckpointError(f"cannot read {os.path.join(folder, '.metadata')}: {type(e).__name__}: {e}") from e
+    metadata = os.path.join(folder, ".metadata")
+    if os.path.isfile(metadata):
+        with open(metadata, "rb") as f:
+            storage = load_dcp_metadata(f, metadata, trust_checkpoint).storage_data
         need: dict[str, int] = {}
         for info in storage.values():
             need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
@@ -216,7 +222,7 @@ def check_files(folder: str | os.PathLike) -> None:
             have = os.path.getsize(full) if os.path.isfile(full) else None
             if have is None or have < size:
                 raise CheckpointError(f"{full} is {'missing' if have is None else f'{have} bytes'}; "
-                                      f"{os.path.join(folder, '.metadata')} needs {size}")
+                                      f"{metadata} needs {size}")
 
 
 def _looks_like_checkpoint(folder: str) -> bool:
@@ -273,9 +279,10 @@ class Found:
     skipped: tuple[tuple[str, str], ...] = ()  # (folder, why) of each incomplete candidate passed over
 
 
-def find_checkpoint(path: str | os.PathLike) -> Found:
+def find_checkpoint(path: str | os.PathLike, trust_checkpoint: bool = False) -> Found:
     """The checkpoint to resume from `path`: the folder itself if it is one, else the newest
-    complete checkpoint inside it (by recorded step), reporting the incomplete ones."""
+    complete checkpoint inside it (by recorded step), reporting the incomplete ones.
+    `trust_checkpoint` as for `check_files`."""
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint path not found: {path}")
@@ -284,7 +291,7 @@ def find_checkpoint(path: str | os.PathLike) -> Found:
     if _looks_like_checkpoint(path):
         record = read_record(path)
         if record is None:
-            check_files(path)
+            check_files(path, trust_checkpoint)
         return Found(path, None if record is None else record["step"], record)
     newest, skipped = _scan(path)
     if newest is None:
@@ -323,6 +330,125 @@ def check_new_checkpoints(save_dir: str | os.PathLike, names: list[str]) -> None
         raise FileExistsError(f"{os.fspath(save_dir)} already holds {', '.join(taken)}, which this run would save "
                               "again: a save never modifies an existing checkpoint (use another save_dir, resume "
                               "from the newest one, or remove them)")
+
+
+# -- reading pickled files that may come from anywhere ------------------------------------------
+
+_FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"  # torch reads it at every torch.load
+_TRUST_HINT = ("if you trust where this checkpoint comes from, load it with trust_checkpoint=True "
+               "(train.py: --trust-checkpoint)")
+
+
+def _global_name(obj) -> str:
+    return f"{obj.__module__}.{obj.__qualname__}"
+
+
+@contextlib.contextmanager
+def weights_only_loads(trust_checkpoint: bool = False, allowed: Sequence = ()) -> Iterator[None]:
+    """Every torch.load in the block, those inside DeepSpeed and DCP that ask for
+    weights_only=False included, unpickles weights-only, with the classes and functions in
+    `allowed` permitted besides torch's own; nothing changes with `trust_checkpoint`. The
+    switch is process-wide while the block runs (torch takes it from the environment)."""
+    if trust_checkpoint:
+        yield
+        return
+    before = os.environ.get(_FORCE_WEIGHTS_ONLY)
+    os.environ[_FORCE_WEIGHTS_ONLY] = "1"
+    try:
+        with torch.serialization.safe_globals(list(allowed)):
+            yield
+    finally:
+        if before is None:
+            del os.environ[_FORCE_WEIGHTS_ONLY]
+        else:
+            os.environ[_FORCE_WEIGHTS_ONLY] = before
+
+
+def _refusal(path, names: Sequence[str]) -> CheckpointError:
+    return CheckpointError(f"refusing to load {path}: it holds {', '.join(names)}, which is none of the types torch, "
+                           f"DeepSpeed and coat_ds write into checkpoints; unpickling it could run arbitrary code. "
+                           f"{_TRUST_HINT}")
+
+
+def _weights_only_refusal(path, source, error: Exception) -> CheckpointError:
+    """The refusal of the torch.save file `source` (path or stream): the globals it holds that
+    weights-only unpickling does not allow, else torch's own words for what it refused."""
+    try:
+        if hasattr(source, "seek"):
+            source.seek(0)
+        names = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(source))
+    except Exception:  # a legacy (non-zip) file cannot be listed
+        names = []
+    if names:
+        return _refusal(path, names)
+    found = re.search(r"WeightsUnpickler error: (.*?)(?: Please use|\n|$)", str(error))
+    why = found.group(1) if found else str(error).strip().splitlines()[0]
+    return CheckpointError(f"refusing to load {path}: weights-only unpickling failed: {why}. {_TRUST_HINT}")
+
+
+@contextlib.contextmanager
+def reading_file(path, trust_checkpoint: bool = False, source=None) -> Iterator[None]:
+    """Errors raised while reading checkpoint file `path` become a CheckpointError naming it;
+    unless trusted, a weights-only refusal names the globals refused (listed from `source`,
+    the stream read, default `path`; call inside `weights_only_loads` so that those it
+    allows are not listed)."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except pickle.UnpicklingError as e:
+        if trust_checkpoint:
+            raise CheckpointError(f"cannot read {path}: {type(e).__name__}: {e}") from e
+        raise _weights_only_refusal(path, path if source is None else source, e) from e
+    except Exception as e:
+        raise CheckpointError(f"cannot read {path}: {type(e).__name__}: {e}") from e
+
+
+def load_file(path: str | os.PathLike, trust_checkpoint: bool = False, allowed: Sequence = (),
+              map_location="cpu"):
+    """torch.load of one checkpoint file, weights-only with `allowed` permitted unless
+    `trust_checkpoint`; fails with its path (and, when refused, what it holds)."""
+    with weights_only_loads(trust_checkpoint, allowed), reading_file(path, trust_checkpoint):
+        return torch.load(path, map_location=map_location, weights_only=not trust_checkpoint)
+
+
+def _dcp_metadata_globals() -> dict:
+    """What DCP's `.metadata` pickle names (found by unpickling real FSDP1/FSDP2 ones): its own
+    dataclasses, torch.Size, dtypes, layouts, memory formats and the save's path."""
+    from torch.distributed.checkpoint import filesystem
+    from torch.distributed.checkpoint import metadata as md
+
+    objs = [md.Metadata, md.MetadataIndex, md.StorageMeta, md.TensorStorageMetadata, md.BytesStorageMetadata,
+            md.ChunkStorageMetadata, md.TensorProperties, md._MEM_FORMAT_ENCODING, filesystem._StorageInfo,
+            torch.Size, torch.serialization._get_layout, pathlib.PosixPath, pathlib.WindowsPath]
+    allowed = {_global_name(o): o for o in objs}
+    allowed.update({f"torch.{n}": v for n, v in vars(torch).items() if isinstance(v, torch.dtype)})
+    return allowed
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Hands out only the allowed globals, without importing anything the file names."""
+
+    def __init__(self, file, path):
+        super().__init__(file)
+        self._path, self._allowed = path, _dcp_metadata_globals()
+
+    def find_class(self, module, name):
+        obj = self._allowed.get(f"{module}.{name}")
+        if obj is None:
+            raise _refusal(self._path, [f"{module}.{name}"])
+        return obj
+
+
+def load_dcp_metadata(file, path, trust_checkpoint: bool = False):
+    """The `torch.distributed.checkpoint` Metadata pickled in `file` (a binary stream of the
+    `.metadata` file `path`), unpickled with only DCP's own types allowed unless trusted."""
+    try:
+        return pickle.load(file) if trust_checkpoint else _MetadataUnpickler(file, path).load()
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"cannot read {path}: {type(e).__name__}: {e}") from e
 
 
 # -- fault injection for tests ----------------------------------------------------------------

@@ -53,6 +53,7 @@ class TrainConfig:
     save_dir: str = ""  # where checkpoints go ("": none are saved)
     save_interval: int = 0  # steps between checkpoints (0: only at the end; unused without save_dir)
     resume: str = ""  # checkpoint folder to resume from, any data-parallel size ("": start fresh)
+    trust_checkpoint: bool = False  # resume may unpickle any type the checkpoint names (only for a source you trust)
     metrics_file: str = ""  # JSON lines of every logged metric, written by rank 0 ("": none)
     # engine
     engine: str = "deepspeed"  # what sets the model up: "deepspeed" or "fsdp" (same as --fsdp)
@@ -82,6 +83,7 @@ class TrainConfig:
         for name in ("save_dir", "resume", "metrics_file"):
             text(name, getattr(self, name))
         integer("save_interval", self.save_interval, lo=0)
+        boolean("trust_checkpoint", self.trust_checkpoint)
         choice("engine", self.engine, ENGINE_NAMES)
         text("deepspeed", self.deepspeed, nonempty=True)
         choice("fsdp_mode", self.fsdp_mode, _FSDP_MODES)

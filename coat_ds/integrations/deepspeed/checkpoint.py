@@ -16,7 +16,13 @@ shaped like the partition. So a resume at another size goes through the FP32 lay
 `load_checkpoint(engine, dir)` picks the direct or the converting path by the saved world size.
 `save_checkpoint(engine, save_dir, tag)` wraps `engine.save_checkpoint` so that the checkpoint
 becomes visible only once every rank has written it (`coat_ds.io.checkpoint_folders`).
-Command line: `python -m coat_ds.integrations.deepspeed.checkpoint CKPT_DIR OUT.pt [--tag TAG]`.
+
+Every load here reads DeepSpeed's files weights-only, DeepSpeed's own `torch.load` calls
+included, permitting besides torch's types only the four DeepSpeed pickles
+(`_deepspeed_globals`); a file holding anything else is refused naming it, unless
+`trust_checkpoint=True`.
+Command line: `python -m coat_ds.integrations.deepspeed.checkpoint CKPT_DIR OUT.pt [--tag TAG]
+[--trust-checkpoint]`.
 """
 from __future__ import annotations
 
@@ -30,7 +36,17 @@ import os
 import torch
 
 from ...io.atomic import atomic_write
-from ...io.checkpoint_folders import CheckpointError, Found, fault_point, find_checkpoint, report_skipped, staged_save
+from ...io.checkpoint_folders import (
+    CheckpointError,
+    Found,
+    fault_point,
+    find_checkpoint,
+    load_file,
+    reading_file,
+    report_skipped,
+    staged_save,
+    weights_only_loads,
+)
 from ...optim import state as st
 from .engine import coat_optimizer, group_state_config, local_partitions
 
@@ -47,38 +63,52 @@ _ENGINE_KEYS = frozenset({
     "ds_version", "sparse_tensor_module_names"})
 
 
-def _resolve(load_dir: str, tag: str | None) -> Found:
+def _deepspeed_globals() -> list:
+    """The types DeepSpeed 0.19 pickles into ZeRO-0/1/2/3 checkpoints besides torch's (found by
+    listing the globals of real ones, bf16, fp32 and offloaded): the loss scaler (static, or
+    dynamic under fp16), the ZeRO stage and ZeRO-1/2's parameter fragment addresses. The one
+    place this module names DeepSpeed's checkpoint types."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def _deepspeed_loads(trust_checkpoint: bool):
+    """Every torch.load in the block (DeepSpeed's too) weights-only, DeepSpeed's types allowed."""
+    return weights_only_loads(trust_checkpoint, () if trust_checkpoint else _deepspeed_globals())
+
+
+def _resolve(load_dir: str, tag: str | None, trust_checkpoint: bool = False) -> Found:
     """The checkpoint folder to read: `load_dir/tag`, or `load_dir` itself when it is one,
     or the newest complete checkpoint in `load_dir` (see `coat_ds.io.checkpoint_folders`)."""
-    found = find_checkpoint(os.path.join(load_dir, str(tag)) if tag is not None else load_dir)
+    found = find_checkpoint(os.path.join(load_dir, str(tag)) if tag is not None else load_dir, trust_checkpoint)
     report_skipped(found)
     return found
 
 
-def _tag_dir(load_dir: str, tag: str | None) -> str:
-    return _resolve(load_dir, tag).path
+def _tag_dir(load_dir: str, tag: str | None, trust_checkpoint: bool = False) -> str:
+    return _resolve(load_dir, tag, trust_checkpoint).path
 
 
-def _read(path: str):
-    """torch.load of one checkpoint file, failing with its path."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:
-        raise CheckpointError(f"cannot read {path}: {type(e).__name__}: {e}") from e
+def _read(path: str, trust_checkpoint: bool = False):
+    """torch.load of one checkpoint file (weights-only unless trusted), failing with its path."""
+    return load_file(path, trust_checkpoint, () if trust_checkpoint else _deepspeed_globals())
 
 
-def _model_state(ckpt_dir: str) -> dict:
+def _model_state(ckpt_dir: str, trust_checkpoint: bool = False) -> dict:
     files = sorted(f for f in os.listdir(ckpt_dir) if f.endswith("model_states.pt"))
     if not files:
         raise CheckpointError(f"{ckpt_dir} holds no *model_states.pt file (it has {sorted(os.listdir(ckpt_dir))})")
-    return _read(os.path.join(ckpt_dir, files[0]))
+    return _read(os.path.join(ckpt_dir, files[0]), trust_checkpoint)
 
 
 @contextlib.contextmanager
-def _guarded_files(engine):
+def _guarded_files(engine, trust_checkpoint: bool = False):
     """DeepSpeed's checkpoint file I/O, for the duration of one save or load: writes pass
     through `fault_point` (tests kill a rank there), a file that cannot be read fails with
-    its path (DeepSpeed's own error names none)."""
+    its path (DeepSpeed's own error names none) and, refused, with what it holds."""
     ce = engine.checkpoint_engine
     save, load = ce.save, ce.load
 
@@ -87,10 +117,8 @@ def _guarded_files(engine):
             save(state_dict, path)
 
     def guarded_load(path, map_location=None):
-        try:
+        with reading_file(path, trust_checkpoint):
             return load(path, map_location=map_location)
-        except Exception as e:
-            raise CheckpointError(f"cannot read {path}: {type(e).__name__}: {e}") from e
 
     ce.save, ce.load = guarded_save, guarded_load
     try:
@@ -114,9 +142,9 @@ def save_checkpoint(engine, save_dir: str, tag: str, client_state: dict | None =
     return final
 
 
-def saved_world_size(load_dir: str, tag: str | None = None) -> int:
+def saved_world_size(load_dir: str, tag: str | None = None, trust_checkpoint: bool = False) -> int:
     """Data-parallel size the checkpoint in `load_dir` (tag, or the newest complete one) was saved at."""
-    return int(_model_state(_tag_dir(load_dir, tag))["dp_world_size"])
+    return int(_model_state(_tag_dir(load_dir, tag, trust_checkpoint), trust_checkpoint)["dp_world_size"])
 
 
 def _fp32_moments(opt_sd: dict, lengths: list[int]) -> tuple[dict[str, list[torch.Tensor]], set[float]]:
@@ -145,25 +173,26 @@ def _fp32_moments(opt_sd: dict, lengths: list[int]) -> tuple[dict[str, list[torc
     return out, steps
 
 
-def consolidate_checkpoint(load_dir: str, tag: str | None = None) -> dict:
+def consolidate_checkpoint(load_dir: str, tag: str | None = None, trust_checkpoint: bool = False) -> dict:
     """Per-parameter FP32 weights and AdamW moments of a ZeRO-1/2/3 CoatAdamW checkpoint.
 
     Returns {"format", "zero_stage", "world_size", "step", "param_groups", "params",
     "exp_avg", "exp_avg_sq", "engine", "client_state"}; the three tensor dicts are keyed by
-    parameter name with full shapes, like `model.state_dict()`."""
+    parameter name with full shapes, like `model.state_dict()`. Its files are read
+    weights-only unless `trust_checkpoint` (see the module's doc)."""
     from deepspeed.utils import zero_to_fp32 as z
 
-    ckpt_dir = _tag_dir(load_dir, tag)
-    model_sd = _model_state(ckpt_dir)
+    ckpt_dir = _tag_dir(load_dir, tag, trust_checkpoint)
+    model_sd = _model_state(ckpt_dir, trust_checkpoint)
     files = z.get_model_state_files(ckpt_dir)
     try:
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), _deepspeed_loads(trust_checkpoint):
             model_states = z.parse_model_states(files)
     except Exception as e:
-        for f in files:  # name the unreadable one
-            _read(f)
+        for f in files:  # name the unreadable (or refused) one
+            _read(f, trust_checkpoint)
         raise CheckpointError(f"cannot parse the model states in {ckpt_dir}: {e}") from e
-    sds = [_read(f)["optimizer_state_dict"] for f in z.get_optim_files(ckpt_dir)]
+    sds = [_read(f, trust_checkpoint)["optimizer_state_dict"] for f in z.get_optim_files(ckpt_dir)]
     stage = int(sds[0]["zero_stage"])
     world = sds[0]["partition_count"]
     world = max(world) if isinstance(world, list) else int(world)
@@ -245,12 +274,13 @@ def _refresh_lp_params(engine) -> None:
     raise NotImplementedError(f"resharding is implemented for ZeRO-1/2/3 engines, not {type(zopt).__name__}")
 
 
-def load_fp32_checkpoint(engine, ckpt) -> dict:
+def load_fp32_checkpoint(engine, ckpt, trust_checkpoint: bool = False) -> dict:
     """Load a `consolidate_checkpoint` result (dict or path) into `engine`, at any
     data-parallel size: master weights, BF16 weights, re-quantized moments, step, the
-    engine's step counters and LR scheduler. Returns the saved client state."""
+    engine's step counters and LR scheduler. Returns the saved client state. A path is read
+    weights-only unless `trust_checkpoint`."""
     if not isinstance(ckpt, dict):
-        ckpt = _read(ckpt)
+        ckpt = _read(ckpt, trust_checkpoint)
     if ckpt.get("format") != FORMAT:
         raise ValueError(f"not a {FORMAT} file (format={ckpt.get('format')!r})")
     coat = coat_optimizer(engine)
@@ -295,19 +325,22 @@ def load_fp32_checkpoint(engine, ckpt) -> dict:
     return dict(ckpt["client_state"])
 
 
-def load_checkpoint(engine, load_dir: str, tag: str | None = None) -> tuple[str, dict]:
+def load_checkpoint(engine, load_dir: str, tag: str | None = None,
+                    trust_checkpoint: bool = False) -> tuple[str, dict]:
     """`engine.load_checkpoint` when the world size matches the saved one (bit-exact), else
     consolidate and re-partition through the FP32 layout. `load_dir` is a save_dir (then
     `tag`, or its newest complete checkpoint, see `coat_ds.io.checkpoint_folders.find_checkpoint`) or one
-    checkpoint folder. Returns (the checkpoint folder loaded, client_state)."""
-    ckpt_dir = _tag_dir(load_dir, tag)
-    if saved_world_size(ckpt_dir) == engine.dp_world_size:
-        with _guarded_files(engine):
+    checkpoint folder. Every file is read weights-only, DeepSpeed's own reads included, unless
+    `trust_checkpoint`. Returns (the checkpoint folder loaded, client_state)."""
+    ckpt_dir = _tag_dir(load_dir, tag, trust_checkpoint)
+    if saved_world_size(ckpt_dir, trust_checkpoint=trust_checkpoint) == engine.dp_world_size:
+        with _guarded_files(engine, trust_checkpoint), _deepspeed_loads(trust_checkpoint):
             path, client_state = engine.load_checkpoint(os.path.dirname(ckpt_dir), tag=os.path.basename(ckpt_dir))
         if path is None:
             raise CheckpointError(f"DeepSpeed could not load {ckpt_dir}")
         return ckpt_dir, client_state
-    return ckpt_dir, load_fp32_checkpoint(engine, consolidate_checkpoint(ckpt_dir))
+    consolidated = consolidate_checkpoint(ckpt_dir, trust_checkpoint=trust_checkpoint)
+    return ckpt_dir, load_fp32_checkpoint(engine, consolidated)
 
 
 def main(argv=None) -> None:
@@ -316,8 +349,10 @@ def main(argv=None) -> None:
     ap.add_argument("checkpoint_dir", help="the save_dir given to engine.save_checkpoint")
     ap.add_argument("output", help="output .pt file")
     ap.add_argument("--tag", default=None, help="checkpoint tag (default: the newest complete checkpoint)")
+    ap.add_argument("--trust-checkpoint", action="store_true",
+                    help="unpickle types besides those DeepSpeed writes (only for a checkpoint from a trusted source)")
     args = ap.parse_args(argv)
-    ckpt = consolidate_checkpoint(args.checkpoint_dir, args.tag)
+    ckpt = consolidate_checkpoint(args.checkpoint_dir, args.tag, trust_checkpoint=args.trust_checkpoint)
     with atomic_write(args.output, "wb") as f:  # a crash leaves no truncated output behind
         torch.save(ckpt, f)
     n = sum(t.numel() for t in ckpt["params"].values())
