@@ -4,7 +4,9 @@
 
 One flat FP32 partition with an FP32 gradient, what DeepSpeed hands the optimizer under
 `offload_optimizer: cpu`. Cases, timed in turns (one step of each per round, so that load
-from other processes falls on all of them alike), median and min wall time per step:
+from other processes falls on all of them alike), median and min wall time per step, and the
+median CPU time of the process per step (all its threads; on a shared machine wall time also
+counts the time spent waiting for a core, CPU time much less so):
 - torch AdamW(foreach=True), the baseline every ratio is taken against;
 - CoatAdamW's host step (kernels/host.py: the fused C++ kernel, built on first use);
 - with --fallback, the host step's fallback where the kernel does not build (the reference
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
 import sys
@@ -97,27 +100,33 @@ def main() -> None:
     for fn in steps.values():  # state allocation, first-use builds
         fn()
     times = {k: [] for k in steps}
+    cpu = {k: [] for k in steps}
     for _ in range(args.iters):
         for name, fn in steps.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
             times[name].append((time.perf_counter() - t0) * 1e3)
+            cpu[name].append((time.process_time() - c0) * 1e3)
     base = statistics.median(times["torch AdamW foreach"])
+    cpu_base = statistics.median(cpu["torch AdamW foreach"])
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    print(f"\n{cpu_name()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, {date}; "
+    print(f"\n{cpu_name()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, {date}, "
+          f"load average {os.getloadavg()[0]:.1f}; "
           f"{args.numel:,} FP32 elements, {args.iters} rounds; jobs of {host.HOST_CHUNK_ELEMS} elements; "
           f"kernel built for {torch.backends.cpu.get_cpu_capability()}")
-    print("| step | median ms | min ms | median / torch foreach |")
-    print("|---|---|---|---|")
+    print("| step | median ms | min ms | median / torch foreach | median CPU ms | CPU / torch foreach |")
+    print("|---|---|---|---|---|---|")
     rows = []
     for name, ts in times.items():
-        med = statistics.median(ts)
-        rows.append({"step": name, "median_ms": med, "min_ms": min(ts), "ratio": med / base})
-        print(f"| {name} | {med:.1f} | {min(ts):.1f} | {med / base:.2f}x |")
+        med, cmed = statistics.median(ts), statistics.median(cpu[name])
+        rows.append({"step": name, "median_ms": med, "min_ms": min(ts), "ratio": med / base,
+                     "cpu_median_ms": cmed, "cpu_ratio": cmed / cpu_base, "wall_ms": ts, "cpu_ms": cpu[name]})
+        print(f"| {name} | {med:.1f} | {min(ts):.1f} | {med / base:.2f}x | {cmed:.1f} | {cmed / cpu_base:.2f}x |")
     if args.out:
         Path(args.out).write_text(json.dumps({"cpu": cpu_name(), "threads": torch.get_num_threads(), "date": date,
                                               "numel": args.numel, "simd": torch.backends.cpu.get_cpu_capability(),
-                                              "deepspeed_cpu_adam": ds_note, "rows": rows},
+                                              "deepspeed_cpu_adam": ds_note, "rows": rows,
+                                              "loadavg": os.getloadavg()},
                                              indent=1))
 
 
