@@ -29,6 +29,7 @@ def data():
     return load_data(DataConfig(max_bytes=2_000_000))
 
 
+@pytest.mark.slow
 def test_coat_adamw_loss_matches_torch_adamw(data):
     """Tiny preset, 200 steps, same seed and batches: CoatAdamW's validation loss and mean
     train loss over the second half within 1% of torch AdamW's.
@@ -50,6 +51,7 @@ def test_coat_adamw_loss_matches_torch_adamw(data):
     assert abs(half(coat) / half(base) - 1) <= 0.01, (half(coat), half(base))
 
 
+@pytest.mark.slow
 def test_quant_table_ranking_on_real_moments(data):
     """On moments of a briefly trained tiny model: E4M3+DRE for both moments beats every
     combination without DRE, is within 10% of the best cell, and DRE cuts the E4M3/E4M3

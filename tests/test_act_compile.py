@@ -237,6 +237,7 @@ def test_compiled_graph_cache_is_keyed_by_config():
     assert key(CFG) != key(ActivationConfig(backend="torch", min_numel=256, other_format="e5m2"))
 
 
+@pytest.mark.slow
 def test_compiled_graphs_keep_statistics_and_recompute_rather_than_save():
     block = make_block(torch.float32)
     torch.manual_seed(6)

@@ -361,6 +361,7 @@ def _train(compress: bool, steps: int = 300, fused_qkv: bool = False):
     return sum(losses[-30:]) / 30, losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fused_qkv", [False, True], ids=["separate_qkv", "fused_qkv"])
 def test_training_loss_within_one_percent(fused_qkv):
     # One thread: the model is tiny, and on a shared 2-core CI box OpenMP's barriers

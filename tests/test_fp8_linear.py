@@ -340,6 +340,7 @@ def test_keep_weight_codes_holds_fp8_not_the_weight():
     assert any(t is base.weight for t in _saved_by(base, x))
 
 
+@pytest.mark.slow
 def test_keep_weight_codes_compiled_backward_reads_no_weight():
     """Compiled, AOTAutograd would recompute a twin's cast of a parameter in backward rather
     than save it; the kept copy comes from a custom op, so backward takes no weight at all."""

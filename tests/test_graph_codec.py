@@ -79,6 +79,7 @@ def test_no_finite_value_takes_the_top_code(fmt, device):
     assert (codes < f.code_max).all() and (y >= 0.8125 * f.max / 1.75).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_inductor_gives_the_eager_values(fmt, dtype, device):

@@ -20,6 +20,7 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.mark.slow
 def test_profile_plan_writes_plan_and_report(tmp_path, one_thread, capsys):
     out = tmp_path / "out"
     opts = parse_options(["--model", "tiny", "--seq-len", "32", "--vocab-size", "256", "--plan",

@@ -140,6 +140,7 @@ def _small_vocab_llama(n_layers: int):
     return transformers.LlamaForCausalLM(cfg)
 
 
+@pytest.mark.slow
 def test_mixed_plans_on_hf_llama_predicted_within_1_percent_of_their_activations():
     # A small vocabulary, so that the layers, not the logits, make the peak. HF Llama drops
     # a layer's input after the layer returns (and the embedding output only when the
@@ -189,6 +190,7 @@ def test_apply_plan_under_compiled_layers():
     assert sqnr_db(ref, flat) > 60
 
 
+@pytest.mark.slow
 def test_compile_budget_measured_searched_and_applied_on_compiled_hf_llama():
     # torch's min-cut partitioner (the backend that runs it without a C++ compile) under a
     # budget of 0 saves only what recomputation cannot rebuild. What the compiled graphs

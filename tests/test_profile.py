@@ -94,6 +94,7 @@ def _check_search(result: dict) -> None:
     assert result["sides"]["coat"]["max_micro_batch"] > result["sides"]["baseline"]["max_micro_batch"]
 
 
+@pytest.mark.slow
 def test_components_consistent_and_coat_smaller(plain):
     result, _ = plain
     assert result["world_size"] == 1 and result["engine"] == "none"
@@ -107,10 +108,12 @@ def test_components_consistent_and_coat_smaller(plain):
     assert m.optimizer_state_bytes == 8 * result["model"]["params"]
 
 
+@pytest.mark.slow
 def test_search_fits_the_budget(plain):
     _check_search(plain[0])
 
 
+@pytest.mark.slow
 def test_outputs_written(plain):
     result, out = plain
     with open(out / "profile.json") as f:
@@ -120,6 +123,7 @@ def test_outputs_written(plain):
     _check_png(out / "profile.png")
 
 
+@pytest.mark.slow
 def test_smaller_budget_never_gives_larger_batch(plain):
     for side in ("baseline", "coat"):
         m = _rank0(plain[0], side)
@@ -204,6 +208,7 @@ def test_both_sides_in_one_process_agree_with_isolated_runs(tmp_path, plain):
     assert (plain[1] / "baseline" / "side.json").is_file() and (plain[1] / "coat" / "side.json").is_file()
 
 
+@pytest.mark.slow
 def test_fp8_linear_coat_side(tmp_path, plain, capsys, caplog):
     """`--fp8-linear`: the COAT side's linears are Fp8Linear. Their inputs are saved once as
     per-tensor FP8, which is what compress_activations already stores for a linear's input,
@@ -401,13 +406,13 @@ def test_throughput_steps_that_run_out_of_memory_give_none(monkeypatch):
     assert fake.steps == 3  # warm-up and two timed steps
 
 
-def test_chart_is_skipped_with_a_line_without_matplotlib(plain, tmp_path, monkeypatch, capsys):
+def test_chart_is_skipped_with_a_line_without_matplotlib(tmp_path, monkeypatch, capsys):
     # matplotlib is the `plot` extra: without it the profile still writes its table and JSON.
     from coat_ds.profile.report import write_chart
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     path = tmp_path / "profile.png"
-    assert write_chart(plain[0], str(path)) is False
+    assert write_chart({}, str(path)) is False
     assert not path.exists()
     assert "matplotlib is not installed (pip install 'coat_ds[plot]')" in capsys.readouterr().out
 
