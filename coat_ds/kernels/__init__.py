@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from . import host, linear_ops, reference
-from .fp8 import E4M3, E5M2, Fp8Format, get_format, kernel_isa, set_fp8_conversions, triton_usable, use_triton
+from .fp8 import E4M3, E5M2, Fp8Format, get_format, kernel_isa, set_fp8_conversions, triton_usable
 from .layout import AdamWHyper, AdamWSlot, GroupLayout, QuantizedGroups, group_layout
 from .ops import Kernels, kernels_for, torch_kernels
 
