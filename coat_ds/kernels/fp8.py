@@ -10,7 +10,8 @@ from functools import lru_cache
 import torch
 
 __all__ = ["Fp8Format", "E4M3", "E5M2", "get_format", "triton_usable", "K_ONE", "K_MIN_CODE", "K_MAX_CODE", "GEMM_ALIGN", "select_isa",
-           "kernel_isa", "set_fp8_conversions", "triton_version", "ISA_GENERIC", "ISA_NVIDIA", "ISA_NVIDIA_FP8", "use_triton"]
+           "kernel_isa", "set_fp8_conversions", "triton_version", "ISA_GENERIC", "ISA_NVIDIA", "ISA_NVIDIA_FP8", "use_triton",
+           "FP8_CAPABILITY", "has_fp8", "cuda_has_fp8"]
 
 # DRE exponents are stored as uint8 multiples of 1/16 (k = code / 16), which is why the
 # reference implementation rounds k down to a multiple of 1/16.
@@ -148,13 +149,30 @@ def triton_usable(device: torch.device) -> bool:
     return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
+# The first CUDA compute capability with FP8 in hardware (Ada; Hopper, Blackwell on): its
+# conversions for the kernels, its GEMMs for torch._scaled_mm.
+FP8_CAPABILITY = (8, 9)
+
+
+def has_fp8(capability: tuple[int, int]) -> bool:
+    """Whether a CUDA device of `capability` has FP8 conversions and GEMMs in hardware."""
+    return tuple(capability) >= FP8_CAPABILITY
+
+
+@torch.compiler.assume_constant_result
+def cuda_has_fp8(index: int) -> bool:
+    """`has_fp8` of CUDA device `index`; a constant to torch.compile, which would otherwise
+    guard on (or break the graph at) the capability query."""
+    return has_fp8(torch.cuda.get_device_capability(index))
+
+
 def select_isa(capability: tuple[int, int] | None, hip: bool, force_portable: bool = False) -> int:
     """The kernels' ISA for a device: `capability` of a CUDA device (None for CPU, under the
     interpreter), `hip` for ROCm builds (no PTX at all). FP8 conversions are hardware ones
     only from compute capability 8.9 on (Ada, Hopper, Blackwell), unless `force_portable`."""
     if capability is None or hip:
         return ISA_GENERIC
-    if tuple(capability) >= (8, 9) and not force_portable:
+    if has_fp8(capability) and not force_portable:
         return ISA_NVIDIA_FP8
     return ISA_NVIDIA
 

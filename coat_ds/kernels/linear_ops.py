@@ -1,5 +1,5 @@
-"""Dispatch for the FP8-linear kernels: a torch.library custom op over the Triton launcher,
-or the torch twin.
+"""The FP8-linear quantize kernels: a torch.library custom op over the Triton launcher, and
+the torch twin; `get_linear_ops` picks one from ops.py's kernel table.
 
 The custom op (with a fake implementation giving output shapes) lets torch.compile trace a
 converted layer without a graph break; the torch twin is plain torch ops, which Inductor
@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from .fp8 import GEMM_ALIGN, get_format, triton_usable, use_triton
+from .fp8 import GEMM_ALIGN, get_format, triton_usable
+from .ops import kernels_for, torch_kernels
 
 __all__ = ["get_linear_ops", "new_weight_guess"]
 
@@ -100,8 +101,7 @@ def get_linear_ops(device: torch.device, backend: str = "auto", opaque: bool = F
     `opaque`: always a custom op (the twin inside it where the backend says so). What it
     returns is then saved for backward by torch.compile rather than recomputed there, as
     AOTAutograd recomputes only ops it knows."""
-    if opaque:
-        return _custom_quantize if use_triton(device, backend, "Fp8LinearConfig.backend") else _opaque_twin
-    if backend == "auto" and torch.compiler.is_compiling():
-        return _torch_quantize
-    return _custom_quantize if use_triton(device, backend, "Fp8LinearConfig.backend") else _torch_quantize
+    if backend == "auto" and not opaque and torch.compiler.is_compiling():
+        return torch_kernels().linear_quantize
+    kernels = kernels_for(device, backend, "Fp8LinearConfig.backend")
+    return kernels.linear_quantize_opaque if opaque else kernels.linear_quantize

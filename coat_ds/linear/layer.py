@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from ..config import Fp8LinearConfig
+from ..kernels.fp8 import cuda_has_fp8
 from ..kernels.linear_ops import new_weight_guess
 from .function import fp8_linear
 
@@ -13,18 +14,13 @@ __all__ = ["Fp8Linear", "fp8_gemm_available"]
 _GUESS = "fp8_weight_guess"
 
 
-@torch.compiler.assume_constant_result
-def _cuda_capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (8, 9)
-
-
 def fp8_gemm_available(device: torch.device) -> bool:
     """Whether `torch._scaled_mm` runs FP8 GEMMs on `device`: CUDA compute capability 8.9+
     (Ada, Hopper and later) or CPU."""
     if device.type == "cpu":
         return True
     if device.type == "cuda":
-        return _cuda_capable(device.index if device.index is not None else torch.cuda.current_device())
+        return cuda_has_fp8(device.index if device.index is not None else torch.cuda.current_device())
     return False
 
 
