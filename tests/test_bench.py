@@ -14,6 +14,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
 SCRIPTS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(BENCH, "[!_]*.py")))
 
+# Each script runs in a process of its own: multi-process, so slow.
+pytestmark = pytest.mark.slow
+
 
 def _load(name: str):
     if BENCH not in sys.path:
