@@ -203,8 +203,8 @@ def test_registry_without_zero_list_warns_once_and_still_registers(no_zero_list)
     assert not is_registered()  # only one of the two additions could be made
 
 
-@pytest.mark.parametrize("name", ["_get_fp32_state_dict_from_zero2_checkpoint", "_get_fp32_state_dict_from_zero3_checkpoint",
-                                  "parse_model_states"])
+@pytest.mark.parametrize("name", ["_get_fp32_state_dict_from_zero2_checkpoint",
+                                  "_get_fp32_state_dict_from_zero3_checkpoint", "parse_model_states"])
 def test_consolidation_without_zero_to_fp32_internals_names_them(monkeypatch, tmp_path, name):
     from deepspeed.utils import zero_to_fp32
 
