@@ -7,20 +7,19 @@ string batch size only fails deep inside DeepSpeed. A value either means the sam
 under `--engine deepspeed` and `--engine fsdp`, or it is an error naming the key. A key our
 code reads (optimizer section and parameters) is known or an error naming it; a top-level key
 DeepSpeed does not know, which it would ignore silently, gets a warning with the closest known
-one (`"zero_optimisation"`: did you mean `"zero_optimization"`?).
+one (`"zero_optimisation"`: did you mean `"zero_optimization"`?). DeepSpeed's known keys come
+from its installed source (`coat_ds._compat.deepspeed.known_config_words`); where that cannot
+be read, no top-level key is checked and a warning says so once.
 """
 from __future__ import annotations
 
-import ast
 import copy
 import difflib
-import functools
-import importlib.util
 import json
 import os
-import re
 import warnings
 
+from .._compat.deepspeed import known_config_words
 from .checks import ConfigError, boolean, integer, number
 
 __all__ = ["load_ds_config", "precision", "gradient_clipping", "batch_sizes", "batch_keys", "zero_stage",
@@ -64,68 +63,11 @@ def check_keys(section: str, given, known, source: str = "DeepSpeed config") -> 
             raise ValueError(f"{prefix}{section} has unknown key {key!r}{hint}; valid keys: {', '.join(known)}")
 
 
-_KEY_LIKE = re.compile(r"^[a-z][a-z0-9_]*$")
-_FOLLOWED = re.compile(r"(config|constants)\w*\.py$|[/\\]__init__\.py$")
-
-
-@functools.lru_cache(maxsize=None)
-def _deepspeed_words() -> frozenset[str] | None:
-    """Every key-like string ("zero_optimization", "stage", ...) in the installed DeepSpeed's
-    config reader (deepspeed/runtime/config.py) and the config and constants modules it
-    imports, read from their source without importing DeepSpeed (FSDP-only runs must not
-    load it); None where DeepSpeed or that file is absent. A superset of the top-level keys
-    DeepSpeed reads, taken from the installed version so that it cannot fall behind it."""
-    spec = importlib.util.find_spec("deepspeed")
-    if spec is None or not spec.origin:
-        return None
-    package = os.path.dirname(spec.origin)
-    start = os.path.join(package, "runtime", "config.py")
-    if not os.path.isfile(start):
-        return None
-    words, seen, todo = set(), set(), [start]
-    while todo:
-        path = todo.pop()
-        if path in seen:
-            continue
-        seen.add(path)
-        try:
-            with open(path, encoding="utf-8") as f:
-                tree = ast.parse(f.read())
-        except (OSError, SyntaxError, ValueError):  # a warning's source must never stop a run
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and _KEY_LIKE.match(node.value):
-                words.add(node.value)
-            elif isinstance(node, ast.ImportFrom):
-                target = _module_file(package, path, node)
-                if target is not None and target != spec.origin and _FOLLOWED.search(target):
-                    todo.append(target)
-    return frozenset(words)
-
-
-def _module_file(package: str, importer: str, node: ast.ImportFrom) -> str | None:
-    """The file of DeepSpeed's that `from X import ...` in `importer` reads, or None."""
-    if node.level:
-        base = os.path.dirname(importer)
-        for _ in range(node.level - 1):
-            base = os.path.dirname(base)
-        parts = node.module.split(".") if node.module else []
-    elif node.module and node.module.split(".")[0] == "deepspeed":
-        base, parts = os.path.dirname(package), node.module.split(".")
-    else:
-        return None
-    stem = os.path.join(base, *parts)
-    for candidate in (stem + ".py", os.path.join(stem, "__init__.py")):
-        if os.path.isfile(candidate):
-            return candidate
-    return None
-
-
 def _warn_unknown_top_level(ds: dict) -> None:
     """One warning for the top-level keys DeepSpeed does not know (it ignores them, so a
     misspelled section would silently fall back to defaults), with the closest known key.
     The message does not name the file, so the readers of one run's JSON warn once."""
-    known = _deepspeed_words()
+    known = known_config_words()
     unknown = [k for k in ds if k not in known] if known is not None else []
     if not unknown:
         return

@@ -5,9 +5,11 @@ import logging
 import math
 import os
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
+
+# The Triton versions this package declares, and the installed one (older: the torch reference).
+from .._compat.triton import TRITON_MIN, triton_version
 
 __all__ = ["Fp8Format", "E4M3", "E5M2", "get_format", "triton_usable", "K_ONE", "K_MIN_CODE", "K_MAX_CODE", "GEMM_ALIGN", "select_isa",
            "kernel_isa", "set_fp8_conversions", "triton_version", "ISA_GENERIC", "ISA_NVIDIA", "ISA_NVIDIA_FP8", "use_triton",
@@ -82,10 +84,6 @@ def get_format(name: str | Fp8Format) -> Fp8Format:
     return _FORMATS[key]
 
 
-# Triton versions this package declares: 3.6 is what the GPU runs use, 3.9 what CPU CI runs
-# under the interpreter. Older versions get the torch reference (an INFO line says so).
-TRITON_MIN = (3, 6)
-
 # What the compiled kernels may use, passed to each of them as the constexpr ISA.
 ISA_GENERIC = 0  # plain Triton (interpreter, ROCm): precise log2/exp2, FP8 coded in integer ops
 ISA_NVIDIA = 1  # NVIDIA PTX special-function approximations, FP8 coded in integer ops (portable FP8)
@@ -98,33 +96,6 @@ PATH_NAMES = {ISA_GENERIC: "Triton, portable FP8 (generic Triton, no PTX)",
 _FP8_MODES = ("auto", "portable")
 FP8_ENV = "COAT_DS_FP8_CONVERSIONS"
 _log = logging.getLogger("coat_ds.kernels")
-
-
-def _version(v: str) -> tuple[int, int]:
-    """(major, minor) of a version string; (0, 0) when it has no two leading numbers.
-
-    Plain string methods, no `re`: torch.compile traces this when a layer first asks for
-    its kernels while being compiled, and torch 2.11's Dynamo breaks the graph inside `re`."""
-    parts = v.split("+")[0].split(".")[:2]
-    if len(parts) < 2:
-        return (0, 0)
-    digits = []
-    for part in parts:
-        n = len(part) - len(part.lstrip("0123456789"))
-        if n == 0:
-            return (0, 0)
-        digits.append(int(part[:n]))
-    return (digits[0], digits[1])
-
-
-@lru_cache(maxsize=None)
-def triton_version() -> tuple[int, int] | None:
-    """(major, minor) of an importable Triton, None when there is none."""
-    try:
-        import triton
-    except Exception:
-        return None
-    return _version(getattr(triton, "__version__", "0.0"))
 
 
 def _triton_importable() -> bool:

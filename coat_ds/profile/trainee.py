@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .._compat.deepspeed import release_zero3_references
 from ..activation import compress_activations
 from ..config import ActivationConfig
 from ..config.ds_json import load_ds_config
@@ -222,30 +223,11 @@ class DeepSpeedTrainee(Trainee):
         module = self.ds.module
         self.ds.destroy()
         # ZeRO-3 pushes the model onto a module-global stack when it is set up, and
-        # submodules whose forward an out-of-memory error interrupted stay on it: neither is
-        # popped by destroy(), and through them the model, its partitions and the optimizer
-        # (43 GB per rank for the 7B preset on 2 GPUs) would outlive the engine.
-        from deepspeed.runtime.zero import parameter_offload
-
-        ours = {id(m) for m in module.modules()}
-        parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if id(m) not in ours]
-        _clear_params_to_release_cache()
-
-
-def _clear_params_to_release_cache() -> None:
-    """ZeRO-3's coordinator memoizes which parameters to release after each submodule in an
-    lru_cache on the class (keyed by coordinator, submodule, step), filled once a step's
-    trace is complete (from the second forward on): it keeps every engine that ever ran two
-    forwards alive. Other live engines only lose entries they recompute."""
-    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
-
-    fn = PartitionedParameterCoordinator.__dict__.get("_PartitionedParameterCoordinator__params_to_release")
-    for f in (fn, getattr(fn, "__wrapped__", None)):  # DeepSpeed's NVTX wrapper keeps the cached one in a closure
-        for cell in getattr(f, "__closure__", None) or ():
-            if hasattr(cell.cell_contents, "cache_clear"):
-                cell.cell_contents.cache_clear()
-        if hasattr(f, "cache_clear"):
-            f.cache_clear()
+        # submodules whose forward an out-of-memory error interrupted stay on it; its
+        # coordinator memoizes parameters to release per coordinator on the class. destroy()
+        # clears neither, and through them the model, its partitions and the optimizer (43 GB
+        # per rank for the 7B preset on 2 GPUs) would outlive the engine.
+        release_zero3_references(module)
 
 
 class FsdpTrainee(Trainee):

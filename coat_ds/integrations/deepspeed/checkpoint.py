@@ -35,6 +35,7 @@ import os
 
 import torch
 
+from ..._compat.deepspeed import refresh_lp_params, set_full_fp32_param, zero3_param_groups_filled, zero_layout
 from ...io.atomic import atomic_write
 from ...io.checkpoint_folders import (
     CheckpointError,
@@ -180,19 +181,18 @@ def consolidate_checkpoint(load_dir: str, tag: str | None = None, trust_checkpoi
     "exp_avg", "exp_avg_sq", "engine", "client_state"}; the three tensor dicts are keyed by
     parameter name with full shapes, like `model.state_dict()`. Its files are read
     weights-only unless `trust_checkpoint` (see the module's doc)."""
-    from deepspeed.utils import zero_to_fp32 as z
-
+    layout = zero_layout()
     ckpt_dir = _tag_dir(load_dir, tag, trust_checkpoint)
     model_sd = _model_state(ckpt_dir, trust_checkpoint)
-    files = z.get_model_state_files(ckpt_dir)
+    files = layout.model_state_files(ckpt_dir)
     try:
         with contextlib.redirect_stdout(io.StringIO()), _deepspeed_loads(trust_checkpoint):
-            model_states = z.parse_model_states(files)
+            model_states = layout.parse_model_states(files)
     except Exception as e:
         for f in files:  # name the unreadable (or refused) one
             _read(f, trust_checkpoint)
         raise CheckpointError(f"cannot parse the model states in {ckpt_dir}: {e}") from e
-    sds = [_read(f, trust_checkpoint)["optimizer_state_dict"] for f in z.get_optim_files(ckpt_dir)]
+    sds = [_read(f, trust_checkpoint)["optimizer_state_dict"] for f in layout.optim_files(ckpt_dir)]
     stage = int(sds[0]["zero_stage"])
     world = sds[0]["partition_count"]
     world = max(world) if isinstance(world, list) else int(world)
@@ -219,15 +219,7 @@ def consolidate_checkpoint(load_dir: str, tag: str | None = None, trust_checkpoi
 
     def per_param(flat_groups: list[list[torch.Tensor]]) -> dict[str, torch.Tensor]:
         with contextlib.redirect_stdout(io.StringIO()):  # zero_to_fp32 narrates every call
-            return _per_param(flat_groups)
-
-    def _per_param(flat_groups: list[list[torch.Tensor]]) -> dict[str, torch.Tensor]:
-        if stage <= 2:
-            sd = z._get_fp32_state_dict_from_zero2_checkpoint(world, flat_groups, model_states, True,
-                                                              sds[0].get("param_alignment_paddings"))
-        else:
-            sd = z.to_torch_tensor(z._get_fp32_state_dict_from_zero3_checkpoint(world, flat_groups, model_states,
-                                                                                 True))
+            sd = layout.per_param(stage, world, flat_groups, model_states, sds[0].get("param_alignment_paddings"))
         names = {n for shapes in model_states[0].param_shapes for n in shapes}
         return {n: t.detach().clone() for n, t in sd.items() if n in names}
 
@@ -247,31 +239,11 @@ def consolidate_checkpoint(load_dir: str, tag: str | None = None, trust_checkpoi
 def _scatter(engine, named, parts, full: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     """Write per-parameter tensors into this rank's flat FP32 partitions through DeepSpeed's
     own mapping (padding left at zero); returns the partitions' new contents."""
-    from deepspeed.utils import safe_set_full_fp32_param
-
     for t in parts:
         t.data.zero_()
     for name, p in named:
-        safe_set_full_fp32_param(p, full[name].to(torch.float32))
+        set_full_fp32_param(p, full[name].to(torch.float32))
     return [t.detach().clone() for t in parts]
-
-
-@torch.no_grad()
-def _refresh_lp_params(engine) -> None:
-    """Copy the FP32 master partitions into the BF16/FP16 parameters the forward uses."""
-    zopt = engine.optimizer
-    if hasattr(zopt, "update_lp_params"):  # ZeRO-1/2: copy and all-gather
-        zopt.update_lp_params()
-        return
-    if hasattr(zopt, "fp16_partitioned_groups_flat"):  # ZeRO-3: partitions only, as its own load does
-        for fp32, lp in zip(zopt.fp32_partitioned_groups_flat, zopt.fp16_partitioned_groups_flat):
-            if fp32.numel():
-                lp.data.copy_(fp32.data)
-        for i, lp in enumerate(zopt.fp16_partitioned_groups_flat):
-            for part, q in zip(zopt.fp16_partitioned_groups[i], zopt.unflatten(lp, zopt.fp16_partitioned_groups[i])):
-                part.data = q.data
-        return
-    raise NotImplementedError(f"resharding is implemented for ZeRO-1/2/3 engines, not {type(zopt).__name__}")
 
 
 def load_fp32_checkpoint(engine, ckpt, trust_checkpoint: bool = False) -> dict:
@@ -293,13 +265,9 @@ def load_fp32_checkpoint(engine, ckpt, trust_checkpoint: bool = False) -> dict:
     parts = [t for t, _ in local_partitions(engine)]
     moments = {name: _scatter(engine, named, parts, ckpt[name]) for name in st.MOMENTS}
     _scatter(engine, named, parts, ckpt["params"])  # last: leaves the masters in place
-    _refresh_lp_params(engine)
+    refresh_lp_params(engine.optimizer)
 
-    zopt = engine.optimizer
-    zero3 = hasattr(zopt, "_set_fp32_optimizer_param_groups")
-    if zero3:  # ZeRO-3 keeps param groups empty between steps; fill them as its own save/load does
-        zopt._set_fp32_optimizer_param_groups()
-    try:
+    with zero3_param_groups_filled(engine.optimizer):
         sd = coat.state_dict()
         index = {id(t): i for i, t in enumerate(parts)}
         tensors = itertools.chain.from_iterable(g["params"] for g in coat.param_groups)
@@ -312,9 +280,6 @@ def load_fp32_checkpoint(engine, ckpt, trust_checkpoint: bool = False) -> dict:
         for group, saved in zip(sd["param_groups"], ckpt["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
         coat.load_fp32_state_dict(sd)
-    finally:
-        if zero3:
-            zopt._clear_fp32_optimizer_param_groups()
 
     counters = ckpt["engine"]
     for key in ("global_steps", "global_samples", "skipped_steps"):

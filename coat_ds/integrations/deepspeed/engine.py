@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..._compat.deepspeed import comm_op_build, fp32_partitions
 from ...config import OptimStateConfig
 from ...config.ds_json import batch_keys, check_keys, load_ds_config
 from ...optim import CoatAdamW
@@ -164,24 +165,12 @@ def comm_op_build_note() -> str | None:
     """The line to print before DeepSpeed starts its process group when that will JIT-build
     its CPU accelerator's shared-memory op first (`deepspeed_shm_comm`, with the system C++
     compiler; once per machine, then cached), else None."""
-    import deepspeed.ops
-    from deepspeed.accelerator import get_accelerator
-    from deepspeed.git_version_info import installed_ops
-
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False) or \
-            installed_ops.get(builder.NAME, False):
+    build = comm_op_build()
+    if build is None:
         return None
-    try:  # torch's own rule for where load() puts it (private, so a guess when it moves)
-        from torch.utils.cpp_extension import _get_build_directory
-
-        folder = _get_build_directory(builder.NAME, verbose=False)
-        if os.path.isfile(os.path.join(folder, f"{builder.NAME}.so")):
-            return None
-        where = f" in {folder}"
-    except (ImportError, AttributeError, TypeError):
-        where = " under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions)"
-    return (f"DeepSpeed: building its CPU shared-memory comm op ({builder.NAME}) with the C++ compiler: a one-time "
+    name, folder = build
+    where = f" in {folder}" if folder else " under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions)"
+    return (f"DeepSpeed: building its CPU shared-memory comm op ({name}) with the C++ compiler: a one-time "
             f"build, about 2 minutes on 2 cores; cached{where} for later runs")
 
 
@@ -244,10 +233,9 @@ def local_partitions(engine) -> list[tuple[torch.Tensor, dict]]:
     zopt = engine.optimizer
     base = coat_optimizer(engine)
     groups = base.param_groups if base is not None else zopt.param_groups
-    if hasattr(zopt, "fp32_partitioned_groups_flat"):  # ZeRO-3: one per sub-group
-        return [(t, groups[zopt.sub_group_to_group_id[i]]) for i, t in enumerate(zopt.fp32_partitioned_groups_flat)]
-    if hasattr(zopt, "single_partition_of_fp32_groups"):  # ZeRO-1/2: one per param group
-        return list(zip(zopt.single_partition_of_fp32_groups, groups))
+    parts = fp32_partitions(zopt)  # ZeRO-3: one per sub-group; ZeRO-1/2: one per param group
+    if parts is not None:
+        return [(t, groups[i]) for t, i in parts]
     return [(p, g) for g in groups for p in g["params"]]
 
 

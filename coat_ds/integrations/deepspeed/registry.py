@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ..._compat import deepspeed as ds_compat
 from ...optim import CoatAdamW
 
 __all__ = ["register_deepspeed", "mark_zero_tested", "is_registered"]
@@ -44,17 +45,11 @@ def mark_zero_tested() -> None:
     """Add `coat_ds.CoatAdamW` to DeepSpeed's `ZERO_SUPPORTED_OPTIMIZERS` (idempotent): it is
     tested under ZeRO-1/2/3 and offload, and DeepSpeed warns "You are using ZeRO with an
     untested optimizer, proceed with caution" for any optimizer type not on that list.
-    `coat_ds.integrations.deepspeed.initialize` does this on its own."""
-    from deepspeed.runtime.zero import utils as zero_utils
-
-    if CoatAdamW not in zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
-        zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(CoatAdamW)
+    `coat_ds.integrations.deepspeed.initialize` does this on its own. A DeepSpeed without that
+    list gets nothing added and one warning (`coat_ds._compat.deepspeed.mark_zero_tested`)."""
+    ds_compat.mark_zero_tested(CoatAdamW)
 
 
 def is_registered() -> bool:
     """Whether `register_deepspeed()` has run in this process (both additions present)."""
-    import sys
-
-    zero_utils = sys.modules.get("deepspeed.runtime.zero.utils")
-    return (getattr(torch.optim, NAME, None) is CoatAdamW and zero_utils is not None
-            and CoatAdamW in zero_utils.ZERO_SUPPORTED_OPTIMIZERS)
+    return getattr(torch.optim, NAME, None) is CoatAdamW and ds_compat.zero_tested(CoatAdamW)
