@@ -169,7 +169,7 @@ def flex_attention_backward_node():
     attention exists but that class is not found: None, warning once."""
     op = _find("torch._higher_order_ops.flex_attention", "FlexAttentionAutogradOp")
     node = getattr(op, "_backward_cls", None)
-    if node is None and _find("torch.nn.attention", "flex_attention") is not None:
+    if node is None and _find("torch.nn.attention.flex_attention", "flex_attention") is not None:
         _warn("torch._higher_order_ops.flex_attention.FlexAttentionAutogradOp", "flex attention's output is "
               "not recognized eagerly and is compressed per group as other activations")
     return node
@@ -244,12 +244,15 @@ def static_input_indices() -> list[int] | None:
 
 # ---- Inductor's stride pin ---------------------------------------------------------------------
 
+_STRIDE_OP = "inductor_force_stride_order"
+
+
 def force_stride_order(t: torch.Tensor) -> torch.Tensor:
     """`t` with its strides pinned for Inductor (prims.inductor_force_stride_order, which
     Inductor registers when it loads: probed at each call, made only while compiling;
     checked on 2.11, 2.13): one buffer that every GEMM reading it shares. Fallback: `t` as
     it is, warning once: Inductor may write one FP8 copy per GEMM (speed and memory only)."""
-    op = getattr(getattr(torch.ops.prims, "inductor_force_stride_order", None), "default", None)
+    op = getattr(getattr(torch.ops.prims, _STRIDE_OP, None), "default", None)
     if op is None:
         _warn("torch.ops.prims.inductor_force_stride_order", "Inductor may write one FP8 copy of a shared input "
               "per GEMM that reads it (speed and memory only)")
