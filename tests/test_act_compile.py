@@ -171,7 +171,7 @@ def test_torch_compile_inlines_where_tracing_is_not_compiling(monkeypatch):
     # torch 2.11 traces the pack on functional tensors with is_compiling() False; the
     # pack must still take its traced path rather than keep the tensor as a subclass.
     monkeypatch.setattr(hooks_module, "_is_compiling", lambda: False)
-    test_torch_compile_inlines_fp8_into_the_graphs("aot_eager")
+    test_torch_compile_inlines_fp8_into_the_graphs("aot_eager", monkeypatch)
 
 
 def test_torch_compile_under_fsdp2(monkeypatch):

@@ -5,9 +5,9 @@ import weakref
 from typing import Callable
 
 import torch
-import torch._functorch.config as functorch_config
 from torch import nn
 
+from .._compat.torch import current_graph_task_id, swap_functorch_options, top_saved_tensors_hooks
 from ..config import ActivationConfig
 from .accounting import ActivationStats
 from .hooks import SavedTensorCompressor
@@ -39,17 +39,6 @@ def _covering_region(modules: list[nn.Module]) -> "tuple[ActivationCompression, 
     return None
 
 
-def _set_functorch(settings: dict) -> dict:
-    """Set AOTAutograd options (read when a graph is compiled, so they apply to graphs
-    compiled inside a region); returns the values they replace."""
-    config = functorch_config
-    previous = {k: getattr(config, k) for k in settings}
-    for k, v in settings.items():
-        if previous[k] != v:
-            setattr(config, k, v)
-    return previous
-
-
 def _inside_checkpoint_or_backward() -> bool:
     """True where our hooks must step aside.
 
@@ -58,9 +47,9 @@ def _inside_checkpoint_or_backward() -> bool:
     for non-reentrant checkpoint, would hide them from its recomputation hooks. Under the
     forward of a non-reentrant checkpoint, its hooks store nothing but placeholders, which
     beats any FP8 copy; ours, pushed above them, would take over and defeat the checkpoint."""
-    if torch._C._current_graph_task_id() != -1:
+    if current_graph_task_id() != -1:
         return True
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    top = top_saved_tensors_hooks()
     return top is not None and getattr(top[0], "__module__", "") == "torch.utils.checkpoint"
 
 
@@ -109,14 +98,14 @@ class ActivationCompression:
                 comp.note_alive_anyway(b)
         ctx = torch.autograd.graph.saved_tensors_hooks(*comp.hooks)
         ctx.__enter__()
-        self._contexts.append((ctx, _set_functorch(self._compile_settings)))
+        self._contexts.append((ctx, swap_functorch_options(self._compile_settings)))
 
     @torch.compiler.disable
     def _exit(self, module, args, kwargs, output):
         entry = self._contexts.pop() if self._contexts else None
         if entry is not None:
             ctx, previous = entry
-            _set_functorch(previous)
+            swap_functorch_options(previous)
             ctx.__exit__(None, None, None)
 
     def _linear_input(self, module, args):

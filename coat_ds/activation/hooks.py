@@ -13,9 +13,8 @@ import weakref
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
-from torch._subclasses.functional_tensor import FunctionalTensor
 
+from .._compat.torch import TRACED_TENSOR_TYPES, autograd_node_classes, detach_unseen, flex_attention_backward_node
 from ..config import ActivationConfig
 from ..kernels.act_ops import get_act_ops
 from ..kernels.fp8 import get_format
@@ -28,7 +27,7 @@ __all__ = ["SavedTensorCompressor", "ATTENTION_NODES"]
 
 _PLAIN = torch.Tensor
 _is_compiling = torch.compiler.is_compiling
-_TRACED = (FakeTensor, FunctionalTensor)
+_TRACED = TRACED_TENSOR_TYPES
 _LOW = (torch.bfloat16, torch.float16)  # what autocast casts weights to
 
 
@@ -60,34 +59,24 @@ def _attention_nodes() -> frozenset:
     backward reads O for rowsum(dO * O). SDPA's math backend has none: it is plain ops,
     and its softmax saves the probabilities instead (docs/activations.md). A node this
     torch version lacks is left out."""
-    generated = torch._C._functions
     names = ("ScaledDotProductFlashAttentionBackward0", "ScaledDotProductFlashAttentionForCpuBackward0",
              "ScaledDotProductEfficientAttentionBackward0", "ScaledDotProductCudnnAttentionBackward0",
              "ScaledDotProductFusedAttentionOverrideableBackward0", "FlashAttentionBackward0",
              "EfficientAttentionBackward0", "CudnnAttentionBackward0")
-    nodes = {getattr(generated, n) for n in names if hasattr(generated, n)}
-    try:
-        from torch._higher_order_ops.flex_attention import FlexAttentionAutogradOp
-        nodes.add(FlexAttentionAutogradOp._backward_cls)
-    except (ImportError, AttributeError):
-        pass
+    nodes = autograd_node_classes(names)
+    flex = flex_attention_backward_node()
+    if flex is not None:
+        nodes.add(flex)
     return frozenset(nodes)
 
 
 # Compared by the node's type, as _TO_COPY_NODE is: one set lookup per candidate tensor.
 ATTENTION_NODES = _attention_nodes()
 
-_dispatch_modes = torch._C._len_torch_dispatch_stack
-
-
-def _version_alias(t: torch.Tensor) -> torch.Tensor:
-    """`t.detach()`, made where no Python dispatch mode sees it. FP8Saved keeps it for its
-    version counter and swaps its data for an empty tensor; a mode tracking storages by the
-    tensors that use them (the profiler's CPU meter) would count t's storage as held by it."""
-    if _dispatch_modes():
-        with torch._C._DisableTorchDispatch():
-            return t.detach()
-    return t.detach()
+# `t.detach()`, made where no Python dispatch mode sees it. FP8Saved keeps it for its
+# version counter and swaps its data for an empty tensor; a mode tracking storages by the
+# tensors that use them (the profiler's CPU meter) would count t's storage as held by it.
+_version_alias = detach_unseen
 
 
 class _WeakTable:

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import hashlib
 import operator
-import sys
 import weakref
 from pathlib import Path
 
 import torch
-import torch._functorch.config as functorch_config
+
+from .._compat import torch as compat_torch
+from .._compat.torch import (HAS_SAVED_TENSOR_HOOK_CONTEXT, has_functorch_option, saved_tensor_hook_context,
+                             static_input_indices)
 from ..config import ActivationConfig
 from ..kernels import fp8, graph_codec, reference
 from ..kernels.fp8 import get_format
@@ -32,24 +34,22 @@ from .policy import KEEP, SKIP, Policy
 
 __all__ = ["graph_hook", "code_hash", "compile_settings", "TracedCodec", "TRACED_TAG", "ATTENTION_OPS"]
 
-try:
-    from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
-except ImportError:  # older torch: no graph context for the pack
-    _get_saved_tensor_hook_context = None
-
 # Offer every saved value but parameters and other static inputs to the pack, which tells
 # from the graphs which inputs are alive anyway. Without that context, only intermediates
-# ("donated", torch's default): the residual stream entering each layer then stays BF16.
-FILTERING_MODE = "no_static" if _get_saved_tensor_hook_context is not None else "donated"
+# ("donated", torch's default), and the pack keeps them exact (_saved_value_facts).
+FILTERING_MODE = "no_static" if HAS_SAVED_TENSOR_HOOK_CONTEXT else "donated"
 TRACED_TAG = "coat_ds.fp8"
 
 
 def compile_settings(config: ActivationConfig) -> dict:
     """AOTAutograd options a region sets while it runs: graphs compiled inside it read them."""
     settings = {}
-    if hasattr(functorch_config, "saved_tensors_hooks_filtering_mode"):
+    if has_functorch_option("saved_tensors_hooks_filtering_mode", "compiled graphs offer only their "
+                            "intermediates to the pack (torch's default)"):
         settings["saved_tensors_hooks_filtering_mode"] = FILTERING_MODE
-    if config.compiled_recompute and hasattr(functorch_config, "ban_recompute_materialized_backward"):
+    if config.compiled_recompute and has_functorch_option(
+            "ban_recompute_materialized_backward", "compiled_recompute has no effect: the partitioner saves what "
+            "backward materializes anyway"):
         # The partitioner saves, rather than recomputes, a value that backward must
         # materialize anyway (a matrix product's input: a norm's output, the MLP's
         # silu(gate) * up, GQA's expanded k and v), since recomputing it costs a kernel.
@@ -68,7 +68,7 @@ def code_hash(config: ActivationConfig) -> str:
     """What the traced pack/unpack depend on: this code and the config."""
     h = hashlib.sha256(repr(config).encode())
     for path in (*sorted(Path(__file__).parent.glob("*.py")), Path(graph_codec.__file__), Path(reference.__file__),
-                 Path(fp8.__file__)):
+                 Path(fp8.__file__), Path(compat_torch.__file__)):
         h.update(path.read_bytes())
     return h.hexdigest()
 
@@ -131,19 +131,6 @@ def _attention_output(node) -> bool:
             and getattr(node.args[0], "target", None) in ATTENTION_OPS)
 
 
-def _static_input_indices() -> list[int]:
-    """Indices of the forward graph's static inputs (parameters, buffers), which AOTAutograd
-    holds only as a local of the function that calls the pack (it offers them to no hook).
-    Empty where that function is not found (another torch version): casts of weights are
-    then compressed as activations are, as before this was read."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "maybe_inline_graph_saved_tensors_hooks":
-            return list(frame.f_locals.get("static_input_indices") or ())
-        frame = frame.f_back
-    return []
-
-
 # The facts of a value that outlives the graph (only alive_anyway decides it).
 _ALIVE = dict(alive_anyway=True, grad_flows=True, weight_copy=False, attention_output=False)
 
@@ -159,7 +146,10 @@ class _GraphFacts:
         known = len(grads) == len(inputs)
         self.grad_inputs = {p for i, p in enumerate(inputs) if not known or grads[i] is not None}
         self.mapped = known
-        self.static = {inputs[i] for i in _static_input_indices() if i < len(inputs)}
+        # Static inputs (parameters, buffers) are known only to the function that calls the
+        # pack. Where it is not found, every input counts as one: casts of them stay exact.
+        static = static_input_indices()
+        self.static = set(inputs) if static is None else {inputs[i] for i in static if i < len(inputs)}
         # A value a gradient flows through is computed from an input that gets one (graph
         # order is topological). Rope tables built in the graph from a buffer and integer
         # positions are not: they are kept exact, as eagerly (requires_grad False).
@@ -196,10 +186,10 @@ _FACTS: "weakref.WeakKeyDictionary[torch.fx.Graph, _GraphFacts]" = weakref.WeakK
 
 def _saved_value_facts() -> dict:
     """Policy facts of the value being packed, from the graph context AOTAutograd hands the
-    hook. Without that context we are offered intermediates only (FILTERING_MODE)."""
-    ctx = _get_saved_tensor_hook_context() if _get_saved_tensor_hook_context is not None else None
+    hook. Without it nothing tells a weight's copy from an activation: the value is kept."""
+    ctx = saved_tensor_hook_context()
     if ctx is None:
-        return dict(_ALIVE, alive_anyway=_get_saved_tensor_hook_context is not None)
+        return dict(_ALIVE)
     node, fw, bw = ctx.get("_node"), ctx.get("_fw_graph"), ctx.get("_bw_graph")
     if node is None or fw is None or bw is None:
         return dict(_ALIVE)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .._compat.torch import force_stride_order
 from . import reference
 from .fp8 import GEMM_ALIGN, get_format, triton_usable
 from .ops import kernels_for, torch_kernels
@@ -85,7 +86,7 @@ def _one_buffer(codes):
     buffer that all of them read. Eagerly a no-op (the strides already match)."""
     if codes is None:
         return None
-    return torch.ops.prims.inductor_force_stride_order.default(codes, codes.stride())
+    return force_stride_order(codes)
 
 
 def get_linear_ops(device: torch.device, backend: str = "auto", opaque: bool = False):

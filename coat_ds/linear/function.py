@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from .._compat.torch import scaled_mm
 from ..kernels import reference
 from ..kernels.fp8 import get_format
 from ..kernels.linear_ops import get_linear_ops
@@ -44,8 +45,8 @@ def _mm(a, a_fmt, ea, b_t, b_fmt, eb, out_dtype, bias=None, fast_accum=False, ou
     """a (M, K) row-major codes @ b_t.t() (b_t: (N, K) row-major codes): cuBLASLt's layout."""
     args = (a.view(a_fmt.dtype), b_t.view(b_fmt.dtype).t(), _pow2(ea), _pow2(eb))
     if out is None:
-        return torch._scaled_mm(*args, bias=bias, out_dtype=out_dtype, use_fast_accum=fast_accum)
-    return torch._scaled_mm(*args, bias=bias, out_dtype=out_dtype, use_fast_accum=fast_accum, out=out)
+        return scaled_mm(*args, bias=bias, out_dtype=out_dtype, use_fast_accum=fast_accum)
+    return scaled_mm(*args, bias=bias, out_dtype=out_dtype, use_fast_accum=fast_accum, out=out)
 
 
 class _Fp8LinearFunction(torch.autograd.Function):

@@ -5,10 +5,10 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch._functorch.config as functorch_config
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .._compat.torch import set_activation_memory_budget
 from ..activation import compress_activations
 from ..config import ActivationConfig, Fp8LinearConfig
 from ..linear import Fp8Linear, convert_to_fp8_linear
@@ -75,7 +75,7 @@ class AppliedPlan:
             del m.fp8_config
         self._recomputed, self._converted = [], []
         if self._budget_before is not None:
-            functorch_config.activation_memory_budget = self._budget_before
+            set_activation_memory_budget(self._budget_before)
             self._budget_before = None
 
 
@@ -101,7 +101,7 @@ def apply_plan(model: nn.Module, plan: Plan, *, config: ApplyConfig | None = Non
     `convert_to_fp8_linear` are. The micro-batch is the caller's to use (`plan.micro_batch`).
 
     A plan with `compile_memory_budget` sets torch.compile's activation-memory budget
-    (`torch._functorch.config.activation_memory_budget`) until `remove()`. torch reads it
+    (functorch's `activation_memory_budget` option) until `remove()`. torch reads it
     when a graph is compiled, for every graph compiled meanwhile, and does not recompile
     graphs compiled before: compile after applying."""
     config = config if config is not None else ApplyConfig()
@@ -113,8 +113,7 @@ def apply_plan(model: nn.Module, plan: Plan, *, config: ApplyConfig | None = Non
     done = AppliedPlan(plan, None, [], [])
     try:
         if plan.compile_memory_budget is not None:
-            done._budget_before = functorch_config.activation_memory_budget
-            functorch_config.activation_memory_budget = plan.compile_memory_budget
+            done._budget_before = set_activation_memory_budget(plan.compile_memory_budget)
         for fqn, choice in plan.layers:
             layer = layers[fqn]
             if choice == "recompute":

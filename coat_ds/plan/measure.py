@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .._compat.torch import activation_memory_budget
 from .apply import ApplyConfig, apply_plan
 from .layers import decoder_layers, training_loss, vocab_size_of
 from .plan import CHOICES, Plan, compile_budget
@@ -315,19 +316,14 @@ class _Session:
 def _compile_budget(budget: float | None, *, reset: bool):
     """torch's activation-memory budget set to `budget` (None: left as it is), with
     torch.compile's caches reset on entry and exit where `reset`."""
-    import torch._functorch.config as functorch_config
-
-    before = functorch_config.activation_memory_budget
     if reset:
-        torch._dynamo.reset()
-    if budget is not None:
-        functorch_config.activation_memory_budget = budget
+        torch.compiler.reset()
     try:
-        yield
+        with activation_memory_budget(budget):
+            yield
     finally:
-        functorch_config.activation_memory_budget = before
         if reset:
-            torch._dynamo.reset()
+            torch.compiler.reset()
 
 
 def measure_choices(model: nn.Module, optimizer_factory: Callable, *, config: MeasureConfig | None = None,
@@ -342,7 +338,7 @@ def measure_choices(model: nn.Module, optimizer_factory: Callable, *, config: Me
     default: `training_loss`. The model's own compilation or wrapping stays as it is.
 
     torch reads its activation-memory budget when it compiles a graph and does not guard on
-    it, so with `compile_budgets` torch.compile's caches are reset (`torch._dynamo.reset()`)
+    it, so with `compile_budgets` torch.compile's caches are reset (`torch.compiler.reset()`)
     before each budget and after the last: every compiled function recompiles on its next
     call, under the budget it runs with."""
     config = config if config is not None else MeasureConfig()

@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from .._compat.torch import raise_recompile_limit
 from ..models.llama import Llama
 from ..optim import CoatAdamW
 from ..plan import CostModel, MeasureConfig, Plan, measure_choices, measure_plan, search_verified
@@ -61,7 +62,7 @@ def profile_plan(opts, mcfg, seq_len: int, device: torch.device, budget: float, 
     with torch.device(device):
         model = Llama(mcfg)
     if opts.compile:
-        torch._dynamo.config.recompile_limit = max(64, torch._dynamo.config.recompile_limit)
+        raise_recompile_limit(64)
         for block in model.blocks:
             block.compile()
 
