@@ -92,7 +92,7 @@ class CoatAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._skips = SkipCounter()
         self._drop_caches()
-        watch.note_built()
+        watch.note_built(CoatAdamW)
 
     def __setstate__(self, state: dict) -> None:
         # Runs after deepcopy/pickle, which keep only defaults, state and param groups (an
