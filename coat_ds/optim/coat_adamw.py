@@ -13,12 +13,12 @@ from torch.distributed.tensor import DTensor
 
 from ..config import AdamWHyperparams, OptimStateConfig
 from ..kernels import AdamWSlot
+from ..memory.tensors import local_tensor as _local
 from . import sharded
 from . import state as st
 from . import watch
 from .loading import check_state, is_fp32_layout, merge_groups
 from .group_step import GroupStep
-from .group_step import local_tensor as _local
 from .nonfinite import SkipCounter, first_nonfinite
 
 __all__ = ["CoatAdamW", "nonfinite_groups"]

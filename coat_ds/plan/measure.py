@@ -4,7 +4,7 @@ at two micro-batches.
 Per layer, the bytes a layer's forward leaves allocated (what backward will read, plus its
 output, less its input where nothing keeps it) come from the allocator:
 `torch.cuda.memory_allocated` before and after the layer on CUDA, the storage tracker of
-the memory profiler (coat_ds.profile.meters) on CPU, read in forward hooks on the layer.
+coat_ds.memory.meters on CPU, read in forward hooks on the layer.
 The step's peak (CUDA: `max_memory_allocated` over forward, backward and optimizer step;
 CPU: resident bytes + the tracker's peak over forward and backward) and its time (median of
 timed steps, perf_counter after a device synchronize) are read for the whole model. The
@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..memory import meter_for, resident_bytes, unique_storage_bytes
+from ..optim.state import state_bytes, state_tensors
 from .apply import ApplyConfig, apply_plan
 from .layers import decoder_layers, training_loss, vocab_size_of
 from .plan import CHOICES, Plan, compile_budget
@@ -204,21 +206,11 @@ class _LayerBytes:
             h.remove()
 
 
-def _state_tensors(opt: torch.optim.Optimizer):
-    return [t for s in opt.state.values() for k, t in s.items() if torch.is_tensor(t) and k != "step"]
-
-
 class _Session:
     """Training steps of one model and a throwaway optimizer, measured; on close the
     parameters are put back as they were and the optimizer is dropped."""
 
     def __init__(self, model: nn.Module, optimizer_factory: Callable, config: MeasureConfig, loss_fn, vocab_size):
-        # Here, not at the top: the profiler package loads the DeepSpeed integration, which
-        # `import coat_ds` must not.
-        from ..profile.trainee import unique_storage_bytes
-        from ..profile.meters import meter_for
-
-        self.storage_bytes, self.meter_for = unique_storage_bytes, meter_for
         self.model, self.config = model, config
         self.loss_fn = loss_fn or training_loss
         self.vocab = vocab_size or vocab_size_of(model)
@@ -254,11 +246,8 @@ class _Session:
         gc.collect()
         x = self.ids(batch)
         _sync(device)
-        if device.type == "cuda":
-            resident = torch.cuda.memory_allocated(device)
-        else:
-            resident = self.storage_bytes([*self.params, *_state_tensors(opt)])
-        meter = self.meter_for(device)
+        resident = resident_bytes(device, [*self.params, *state_tensors(*opt.state.values())])
+        meter = meter_for(device)
         hooks = self.layer_bytes
         hooks.start(meter)
         held = None
@@ -274,7 +263,7 @@ class _Session:
                 held = hooks.stop()
                 loss.backward()
                 del loss
-            self.grads_bytes = self.storage_bytes(p.grad for p in self.params)
+            self.grads_bytes = unique_storage_bytes(p.grad for p in self.params)
             if device.type != "cuda":
                 meter.stop()  # the tracker would trace every op of a pure-torch optimizer step (slow)
             opt.step()
@@ -300,7 +289,7 @@ class _Session:
         return ChoiceRun(choice, batch, held, peak, statistics.median(times))
 
     def state_bytes(self) -> int:
-        return self.storage_bytes(_state_tensors(self.opt))
+        return state_bytes(*self.opt.state.values(), storages=True)
 
     def close(self) -> None:
         self.layer_bytes.remove()
@@ -364,13 +353,13 @@ def measure_choices(model: nn.Module, optimizer_factory: Callable, *, config: Me
                                 f"step {r.step_s * 1e3:.1f} ms")
                     finally:
                         applied.remove()
-        state_bytes = s.state_bytes()
+        opt_bytes = s.state_bytes()
     finally:
         s.close()
     grad_bytes = tuple(sum(p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad)
                        for layer in s.layers)
-    return Measurements(tuple(s.fqns), config.seq_len, str(s.device), s.meter_for(s.device).kind,
-                        s.storage_bytes(s.params), s.grads_bytes, state_bytes, tuple(runs), grad_bytes)
+    return Measurements(tuple(s.fqns), config.seq_len, str(s.device), meter_for(s.device).kind,
+                        unique_storage_bytes(s.params), s.grads_bytes, opt_bytes, tuple(runs), grad_bytes)
 
 
 def measure_plan(model: nn.Module, plan: Plan, optimizer_factory: Callable, *, config: MeasureConfig | None = None,
