@@ -8,7 +8,8 @@ from torch import nn
 
 from ..integrations.engine_setup import build_optimizer
 from .layers import decoder_layers
-from .measure import MeasureConfig, measure_choices, measure_plan
+from .measure import measure_choices, measure_plan
+from .measurements import MeasureConfig
 from .plan import Plan, load_plan
 from .search import CostModel
 from .verify import search_verified
