@@ -166,6 +166,32 @@ def test_unknown_adamw_keys_are_errors_naming_them(engine):
         read_ds_settings(cfg, 1, engine=engine)
 
 
+@pytest.mark.parametrize("kind, bad", [("CoatAdamW", "first_moment_fromat"), ("AdamW", "weight_decy")])
+def test_every_reader_of_the_optimizer_section_refuses_alike(tmp_path, kind, bad):
+    """One reader (config.ds_json.optimizer_section) behind DeepSpeed's initialize, train.py
+    under either engine and the profiler: the same misspelled key, the same error, naming the
+    file. (The profiler took an AdamW section's keys unchecked before.)"""
+    from coat_ds.profile.trainee import load_side
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+                                "optimizer": {"type": kind, "params": {"lr": 1e-3, bad: 0.1}}}))
+    readers = [lambda: read_ds_settings(str(path), 1, engine="deepspeed"),
+               lambda: read_ds_settings(str(path), 1, engine="fsdp"), lambda: load_side("baseline", str(path))]
+    if kind == "CoatAdamW":  # DeepSpeed checks its own AdamW section
+        readers.append(lambda: prepare_config(str(path)))
+    for read in readers:
+        with pytest.raises(ValueError) as err:
+            read()
+        assert str(err.value).startswith(f"{path}: optimizer.params of {kind} has unknown key {bad!r}"), str(err.value)
+
+
+def test_optimizer_section_that_is_no_object_is_an_error_naming_it():
+    for read in (prepare_config, lambda cfg: read_ds_settings(cfg, 1)):
+        with pytest.raises(ConfigError, match=r"optimizer: got 'CoatAdamW' \(str\)"):
+            read({"train_micro_batch_size_per_gpu": 1, "optimizer": "CoatAdamW"})
+
+
 def test_string_micro_batch_is_refused_naming_the_key_before_deepspeed():
     import coat_ds
 

@@ -15,15 +15,19 @@ from __future__ import annotations
 
 import copy
 import difflib
+import inspect
 import json
 import os
 import warnings
 
+import torch
+
 from .._compat.deepspeed import known_config_words
+from ..optim.coat_adamw import CoatAdamW
 from .checks import ConfigError, boolean, integer, number
 
 __all__ = ["load_ds_config", "precision", "gradient_clipping", "batch_sizes", "batch_keys", "zero_stage",
-           "check_keys"]
+           "check_keys", "OPTIMIZERS", "OPTIMIZER_ARGUMENTS", "DEEPSPEED_ONLY_ADAM_KEYS", "optimizer_section"]
 
 # DeepSpeed's default when the key is absent (deepspeed/runtime/constants.py): clip at 1.0.
 _CLIP_DEFAULT = 1.0
@@ -139,3 +143,58 @@ def zero_stage(ds: dict, where: str = "") -> int:
     if not isinstance(section, dict):
         raise ConfigError("zero_optimization", section, 'an object such as {"stage": 2}', where)
     return integer("zero_optimization.stage", section.get("stage", 0), lo=0, hi=3, where=where)
+
+
+# The optimizers coat_ds builds from an `optimizer` section, by the `type` that names them.
+OPTIMIZERS = {"CoatAdamW": CoatAdamW, "AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
+# The keys `optimizer.params` may hold for each: its keyword arguments.
+OPTIMIZER_ARGUMENTS = {name: tuple(n for n in inspect.signature(cls).parameters if n != "params")
+                       for name, cls in OPTIMIZERS.items()}
+# DeepSpeed's own switches in an Adam/AdamW `params` section that torch.optim does not take:
+# `torch_adam` picks torch's implementation (what we use anyway), `adam_w_mode` AdamW or Adam.
+DEEPSPEED_ONLY_ADAM_KEYS = ("torch_adam", "adam_w_mode")
+_SECTION = 'an object {"type": "CoatAdamW" | "AdamW" | "Adam", "params": {...}}'
+
+
+def optimizer_section(ds: dict, where: str = "", *, checked=tuple(OPTIMIZERS), pass_others: bool = False,
+                      required: bool = False) -> tuple[str, dict] | None:
+    """The JSON's optimizer as (type, keyword arguments), or None where it names none (no
+    section, or one without `type`; an error naming `optimizer` if `required`). The one
+    reader of the `optimizer` section.
+
+    A type of `checked` (matched in any case; the optimizers coat_ds builds) comes back as
+    its name in OPTIMIZERS, with its `params` checked: the section holds only `type` and
+    `params`, `params` only the optimizer's keyword arguments, a list `betas` becomes a
+    tuple. For Adam and AdamW, DeepSpeed's rule holds ("Adam" is AdamW unless `adam_w_mode`
+    is false) and its own switches are dropped. Any other type is an error naming
+    `optimizer.type`, or with `pass_others` (DeepSpeed builds and checks it) comes back as
+    given, with a copy of its `params`. Errors name `where` (a file) when given."""
+    section = ds.get("optimizer")
+    if not isinstance(section, dict) and (section is not None or required):
+        raise ConfigError("optimizer", section, _SECTION, where)
+    kind = section.get("type") if section is not None else None
+    if kind is None:
+        if required:
+            raise ConfigError("optimizer", section, _SECTION, where)
+        return None
+    name = {n.lower(): n for n in checked}.get(kind.lower()) if isinstance(kind, str) else None
+    if name is None:
+        if pass_others and isinstance(kind, str) and kind:
+            return kind, dict(section.get("params") or {})
+        raise ConfigError("optimizer.type", kind, ", ".join(checked[:-1]) + f" or {checked[-1]}"
+                          if len(checked) > 1 else checked[0], where)
+    check_keys("optimizer", section, ("type", "params"), source=where)
+    params = section.get("params") or {}
+    if not isinstance(params, dict):
+        raise ConfigError("optimizer.params", params, "an object of keyword arguments", where)
+    params = dict(params)
+    if name != "CoatAdamW":
+        # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false.
+        adam_w_mode = boolean("optimizer.params.adam_w_mode", params.get("adam_w_mode", True), where)
+        name = "AdamW" if name == "AdamW" or adam_w_mode else "Adam"
+    extra = DEEPSPEED_ONLY_ADAM_KEYS if name != "CoatAdamW" else ()
+    check_keys(f"optimizer.params of {kind}", params, OPTIMIZER_ARGUMENTS[name] + extra, source=where)
+    params = {k: v for k, v in params.items() if k not in extra}
+    if isinstance(params.get("betas"), list):
+        params["betas"] = tuple(params["betas"])
+    return name, params

@@ -9,26 +9,21 @@ same thing, and a value that DeepSpeed would read loosely is refused for both.
 from __future__ import annotations
 
 import gc
-import inspect
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from ..config.checks import ConfigError, boolean, choice, integer, number
 from ..config import AdamWHyperparams
-from ..config.ds_json import batch_sizes, check_keys, gradient_clipping, load_ds_config, precision, zero_stage
+from ..config.ds_json import (OPTIMIZERS, batch_sizes, gradient_clipping, load_ds_config, optimizer_section,
+                              precision, zero_stage)
 from .deepspeed.engine import prepare_config
-from ..optim import CoatAdamW
+from ..optim.state import state_bytes
 
 __all__ = ["DsTrainSettings", "read_ds_settings", "clipping_off_note", "optimizer_settings", "build_optimizer",
            "optimizer_state_bytes", "shutdown_distributed"]
 
-# DeepSpeed's own switches in an Adam/AdamW `params` section that torch.optim does not take:
-# `torch_adam` picks torch's implementation (what we use anyway), `adam_w_mode` is read below.
-_DEEPSPEED_ONLY_ADAM_KEYS = ("torch_adam", "adam_w_mode")
-_OPTIMIZERS = {"CoatAdamW": CoatAdamW, "AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
 _ENGINES = ("deepspeed", "fsdp")
 
 
@@ -58,8 +53,8 @@ class DsTrainSettings:
             if self.fp16:
                 # FP16 needs loss scaling, which DeepSpeed does and the FSDP path does not.
                 raise ConfigError("fp16.enabled", True, "false under the FSDP engine (use bf16)")
-            choice("optimizer.type", self.optimizer_type, tuple(_OPTIMIZERS))
-        if self.optimizer_type in _OPTIMIZERS:
+            choice("optimizer.type", self.optimizer_type, tuple(OPTIMIZERS))
+        if self.optimizer_type in OPTIMIZERS:
             _check_optimizer_params(self.optimizer_type, self.optimizer_params)
 
 
@@ -69,7 +64,7 @@ def _check_optimizer_params(kind: str, params: dict) -> None:
     hyper = {k: params[k] for k in ("lr", "betas", "eps", "weight_decay") if k in params}
     try:
         AdamWHyperparams(**hyper)
-        _OPTIMIZERS[kind]([torch.nn.Parameter(torch.zeros(1))], **params)
+        OPTIMIZERS[kind]([torch.nn.Parameter(torch.zeros(1))], **params)
     except (TypeError, ValueError) as e:
         raise ValueError(f"optimizer.params of {kind}: {e}") from None
 
@@ -81,28 +76,12 @@ def read_ds_settings(path, world_size: int, engine: str = "fsdp") -> DsTrainSett
     try:
         micro, accum = batch_sizes(ds, world_size)
         bf16, fp16 = precision(ds)
-        section = ds.get("optimizer")
-        if engine == "deepspeed" and isinstance(section, dict) and isinstance(section.get("type"), str) and \
-                section["type"].lower() not in ("coatadamw", "adamw", "adam"):
-            kind, params = section["type"], dict(section.get("params") or {})  # DeepSpeed's own: it checks them
-        else:
-            kind, params = optimizer_settings(ds, "")
-            if kind != "CoatAdamW":  # CoatAdamW's section was checked by prepare_config
-                _check_torch_adam_keys(kind, ds["optimizer"])
+        kind, params = optimizer_settings(ds, "", engine)
         return DsTrainSettings(engine, micro, accum, gradient_clipping(ds), bf16, fp16, zero_stage(ds), kind, params)
     except ConfigError as e:
         raise ConfigError(e.key, e.value, e.allowed, _where(path)) from None
     except ValueError as e:
         raise ValueError(f"{_where(path)}: {e}") from None
-
-
-def _check_torch_adam_keys(kind: str, section: dict) -> None:
-    """An AdamW/Adam section holds only keys that mean something to both engines: a
-    misspelled `params` or parameter is an error naming it, not a silent default."""
-    check_keys("optimizer", section, ("type", "params"), source="")
-    known = tuple(n for n in inspect.signature(_OPTIMIZERS[kind]).parameters if n != "params")
-    check_keys(f"optimizer.params of {section['type']}", section.get("params") or {},
-               known + _DEEPSPEED_ONLY_ADAM_KEYS, source="")
 
 
 def clipping_off_note(path) -> str | None:
@@ -119,47 +98,25 @@ def _where(path) -> str:
     return "DeepSpeed config" if isinstance(path, dict) else str(path)
 
 
-def optimizer_settings(ds: dict, path: str) -> tuple[str, dict]:
-    """("CoatAdamW" | "AdamW" | "Adam", keyword arguments) of the JSON's optimizer section,
-    without DeepSpeed-only switches; CoatAdamW's keys are checked as the DeepSpeed path does."""
-    section = ds.get("optimizer")
-    if not isinstance(section, dict) or not section.get("type"):
-        raise ConfigError("optimizer", section, 'an object {"type": "CoatAdamW" | "AdamW" | "Adam", "params": {...}}',
-                          path)
-    kind = section["type"]
-    _, coat_kwargs = prepare_config(ds)
-    if coat_kwargs is not None:
-        return "CoatAdamW", coat_kwargs
-    if not isinstance(kind, str) or kind.lower() not in ("adamw", "adam"):
-        raise ConfigError("optimizer.type", kind, "CoatAdamW, AdamW or Adam", path)
-    params = section.get("params") or {}
-    if not isinstance(params, dict):
-        raise ConfigError("optimizer.params", params, "an object of keyword arguments", path)
-    params = dict(params)
-    # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false.
-    adam_w_mode = boolean("optimizer.params.adam_w_mode", params.get("adam_w_mode", True), path)
-    kind = "AdamW" if kind.lower() == "adamw" or adam_w_mode else "Adam"
-    params = {k: v for k, v in params.items() if k not in _DEEPSPEED_ONLY_ADAM_KEYS}
-    if isinstance(params.get("betas"), list):
-        params["betas"] = tuple(params["betas"])
-    return kind, params
+def optimizer_settings(ds: dict, path: str, engine: str = "fsdp") -> tuple[str, dict]:
+    """(type, keyword arguments) of the JSON's optimizer section as `engine` runs it, read by
+    `optimizer_section`: "CoatAdamW", "AdamW" or "Adam", checked, without DeepSpeed-only
+    switches; under DeepSpeed also its own optimizers, which it checks itself. A JSON that
+    names none is an error: both engines build the optimizer from it."""
+    found = optimizer_section(ds, path, pass_others=engine == "deepspeed", required=True)
+    if found[0] == "CoatAdamW":
+        prepare_config(ds)  # the ZeRO settings CoatAdamW's state cannot take are refused for either engine
+    return found
 
 
 def build_optimizer(settings: DsTrainSettings, params) -> torch.optim.Optimizer:
-    return _OPTIMIZERS[settings.optimizer_type](params, **settings.optimizer_params)
+    return OPTIMIZERS[settings.optimizer_type](params, **settings.optimizer_params)
 
 
 def optimizer_state_bytes(optim: torch.optim.Optimizer) -> int:
     """Bytes of optimizer state held by this rank: every state tensor but the step counter,
-    counting a DTensor's local shard (its global numel would overstate every rank by the
-    world size)."""
-    total = 0
-    for state in optim.state.values():
-        for key, t in state.items():
-            if torch.is_tensor(t) and key != "step":
-                local = t.to_local() if isinstance(t, DTensor) else t
-                total += local.numel() * local.element_size()
-    return total
+    a DTensor's local shard (`coat_ds.optim.state.state_bytes`)."""
+    return state_bytes(*optim.state.values())
 
 
 def shutdown_distributed() -> None:

@@ -13,12 +13,12 @@ from torch.distributed.tensor import DTensor
 
 from ..config import AdamWHyperparams, OptimStateConfig
 from ..kernels import AdamWSlot
+from ..memory.tensors import local_tensor as _local
 from . import sharded
 from . import state as st
 from . import watch
 from .loading import check_state, is_fp32_layout, merge_groups
 from .group_step import GroupStep
-from .group_step import local_tensor as _local
 from .nonfinite import SkipCounter, first_nonfinite
 
 __all__ = ["CoatAdamW", "nonfinite_groups"]
@@ -92,7 +92,7 @@ class CoatAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._skips = SkipCounter()
         self._drop_caches()
-        watch.note_built()
+        watch.note_built(CoatAdamW)
 
     def __setstate__(self, state: dict) -> None:
         # Runs after deepcopy/pickle, which keep only defaults, state and param groups (an

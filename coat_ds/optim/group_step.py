@@ -27,17 +27,13 @@ from torch.distributed.tensor import DTensor
 
 from ..config import AdamWHyperparams, OptimStateConfig
 from ..kernels import AdamWHyper, AdamWSlot, get_ops
+from ..memory.tensors import local_tensor
 from .nonfinite import SkipCounter
 
-__all__ = ["GroupStep", "local_tensor"]
+__all__ = ["GroupStep"]
 
 _data_ptr = torch.Tensor.data_ptr
 _numel = torch.Tensor.numel
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank owns: a DTensor's local shard, else `t` itself."""
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _picker(indices: list[int]):

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..config import OptimStateConfig
 from ..kernels import QuantizedGroups, group_layout
+from ..memory.tensors import local_tensor
 from .moment import MOMENTS, Fp8Moment
 from .state import SKIPS_KEY
 
@@ -90,7 +91,7 @@ def _expand(meta: torch.Tensor, local_shape: torch.Size, group_size: int) -> tor
 
 def _wrap_meta(meta: torch.Tensor, p: DTensor, layout: str, group_size: int) -> DTensor:
     """(rows, groups_per_row) per-group tensor of `p`'s local shard as a DTensor in `layout`."""
-    local = p._local_tensor
+    local = local_tensor(p)
     if layout == "replicated":
         return wrap_like(meta, p, meta.shape)
     if layout == "compact":
@@ -113,10 +114,6 @@ def to_dtensor_state(state: dict, p: DTensor, cfg: OptimStateConfig) -> dict:
     if SKIPS_KEY in state:
         out[SKIPS_KEY] = _wrap_meta(state[SKIPS_KEY], p, layout, cfg.group_size)
     return out
-
-
-def _local(t):
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -150,10 +147,10 @@ def _compress(saved: Fp8Moment, name: str, cfg: OptimStateConfig) -> Fp8Moment:
 
 def from_dtensor_state(saved: dict, p: DTensor, cfg: OptimStateConfig) -> dict:
     """Inverse of `to_dtensor_state`: this rank's plain local tensors, dtypes kept."""
-    local = p._local_tensor
+    local = local_tensor(p)
     layout = _meta_layout(p)
     lay = group_layout(local.shape, cfg.group_size)
-    state = {k: _local(v) for k, v in saved.items()}
+    state = {k: local_tensor(v) for k, v in saved.items()}
     for name in MOMENTS:
         if not Fp8Moment.stored_in(state, name):
             continue
@@ -174,7 +171,7 @@ def from_dtensor_state(saved: dict, p: DTensor, cfg: OptimStateConfig) -> dict:
 def _local_skips(skips: torch.Tensor, local: torch.Tensor, layout: str, group_size: int) -> torch.Tensor:
     """This rank's (rows, groups_per_row) skip counts from their saved layout."""
     lay = group_layout(local.shape, group_size)
-    skips = _local(skips)
+    skips = local_tensor(skips)
     if layout != "per_element":
         return skips.reshape(lay.meta_shape)
     if skips.shape != local.shape:
@@ -189,7 +186,7 @@ def _local_skips(skips: torch.Tensor, local: torch.Tensor, layout: str, group_si
 def local_fp32_state(state: dict, p: torch.Tensor | None = None, cfg: OptimStateConfig | None = None) -> dict:
     """An FP32 (torch.optim.AdamW-layout) state's moments (and `group_skips`, given the
     DTensor parameter `p` and its config) as this rank's local tensors."""
-    out = {k: _local(v) if k in MOMENTS else v for k, v in state.items()}
+    out = {k: local_tensor(v) if k in MOMENTS else v for k, v in state.items()}
     if SKIPS_KEY in out and isinstance(p, DTensor):
-        out[SKIPS_KEY] = _local_skips(out[SKIPS_KEY], p._local_tensor, _meta_layout(p), cfg.group_size)
+        out[SKIPS_KEY] = _local_skips(out[SKIPS_KEY], local_tensor(p), _meta_layout(p), cfg.group_size)
     return out

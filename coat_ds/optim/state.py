@@ -13,10 +13,11 @@ import torch
 
 from ..config import OptimStateConfig
 from ..kernels import QuantizedGroups, group_layout
+from ..memory.tensors import local_tensor, unique_storage_bytes
 from .moment import MOMENTS, Fp8Moment
 
 __all__ = ["MOMENTS", "SKIPS_KEY", "is_quantized", "init_state", "zero_skips", "moment", "kernel_moments",
-           "state_bytes", "to_fp32", "from_fp32"]
+           "state_tensors", "state_bytes", "to_fp32", "from_fp32"]
 
 SKIPS_KEY = "group_skips"
 
@@ -50,9 +51,25 @@ def kernel_moments(state: dict, cfg: OptimStateConfig) -> tuple[QuantizedGroups 
     return tuple(m.groups if isinstance(m, Fp8Moment) else m for m in (moment(state, n, cfg) for n in MOMENTS))
 
 
-def state_bytes(state: dict) -> int:
-    """Bytes of the moment tensors (the step counter is not counted)."""
-    return sum(t.numel() * t.element_size() for k, t in state.items() if k != "step" and torch.is_tensor(t))
+def state_tensors(*states: dict) -> list[torch.Tensor]:
+    """Every tensor of the per-parameter optimizer states `states` but the step counter, a
+    DTensor as this rank's local shard (its global size would overstate every rank by the
+    world size). Any optimizer's: CoatAdamW's codes, scales and skip counters, torch AdamW's
+    FP32 moments."""
+    return [local_tensor(t) for state in states for k, t in state.items() if k != "step" and torch.is_tensor(t)]
+
+
+def state_bytes(*states: dict, storages: bool = False) -> int:
+    """Bytes this rank holds in the per-parameter optimizer states `states` (`state_tensors`).
+
+    By default each tensor counts numel x element size: the state's own size, defined for a
+    layout on the meta device too. With `storages`, the distinct storages behind the tensors
+    count instead, each once and whole: what the allocator holds where an engine keeps the
+    states as views of flat buffers (padding included)."""
+    tensors = state_tensors(*states)
+    if storages:
+        return unique_storage_bytes(tensors)
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _fold_factor(step: float, skips: torch.Tensor, beta: float) -> torch.Tensor:

@@ -32,6 +32,7 @@ REPLACED_MESSAGE = (
 _pending = 0  # CoatAdamW instances built whose first step has not been seen
 _stepped: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 _handle = None
+_watched: type | None = None  # CoatAdamW, handed over by its constructor (watch does not import it)
 
 
 def _under_deepspeed() -> bool:
@@ -48,9 +49,7 @@ def _stop() -> None:
 
 def _pre_step(optimizer, args, kwargs):
     global _pending
-    from .coat_adamw import CoatAdamW
-
-    if isinstance(optimizer, CoatAdamW):
+    if isinstance(optimizer, _watched):
         if optimizer not in _stepped:
             _stepped.add(optimizer)
             _pending -= 1
@@ -63,9 +62,11 @@ def _pre_step(optimizer, args, kwargs):
     return None
 
 
-def note_built() -> None:
-    """Called by every CoatAdamW constructor."""
-    global _pending, _handle
+def note_built(watched: type) -> None:
+    """Called by every CoatAdamW constructor with the class whose instances count as
+    stepping (CoatAdamW itself: a subclass counts too)."""
+    global _pending, _handle, _watched
+    _watched = watched
     _pending += 1
     if _handle is None:
         _handle = register_optimizer_step_pre_hook(_pre_step)

@@ -3,7 +3,8 @@ or without FP8 linears) or recompute them, whichever gives the most tokens/s wit
 budget, from measured costs (docs/planner.md)."""
 from .apply import AppliedPlan, ApplyConfig, apply_plan
 from .layers import decoder_layers, training_loss
-from .measure import ChoiceRun, MeasureConfig, Measurements, measure_choices, measure_plan
+from .measure import measure_choices, measure_plan
+from .measurements import ChoiceRun, MeasureConfig, Measurements
 from .plan import CHOICES, Plan, load_plan
 from .search import CostModel, best_assignment, search_plan
 from .verify import search_verified

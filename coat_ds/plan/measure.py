@@ -4,7 +4,7 @@ at two micro-batches.
 Per layer, the bytes a layer's forward leaves allocated (what backward will read, plus its
 output, less its input where nothing keeps it) come from the allocator:
 `torch.cuda.memory_allocated` before and after the layer on CUDA, the storage tracker of
-the memory profiler (coat_ds.profile.meters) on CPU, read in forward hooks on the layer.
+coat_ds.memory.meters on CPU, read in forward hooks on the layer.
 The step's peak (CUDA: `max_memory_allocated` over forward, backward and optimizer step;
 CPU: resident bytes + the tracker's peak over forward and backward) and its time (median of
 timed steps, perf_counter after a device synchronize) are read for the whole model. The
@@ -17,7 +17,6 @@ import dataclasses
 import gc
 import statistics
 import time
-from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
@@ -25,116 +24,14 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._compat.torch import activation_memory_budget
+from ..memory import meter_for, resident_bytes, unique_storage_bytes
+from ..optim.state import state_bytes, state_tensors
 from .apply import ApplyConfig, apply_plan
 from .layers import decoder_layers, training_loss, vocab_size_of
-from .plan import CHOICES, Plan, compile_budget
+from .measurements import ChoiceRun, MeasureConfig, Measurements
+from .plan import Plan
 
-__all__ = ["MeasureConfig", "ChoiceRun", "Measurements", "measure_choices", "measure_plan"]
-
-
-def _is_compile_budget(value) -> bool:
-    try:
-        return compile_budget("compile_budgets", value) is not None
-    except ValueError:
-        return False
-
-
-@dataclass(frozen=True)
-class MeasureConfig:
-    """How the planner measures a model."""
-
-    seq_len: int = 2048  # tokens per sequence
-    batches: tuple[int, ...] = (1, 2)  # micro-batches each choice is measured at: two (a line), or one (proportional)
-    choices: tuple[str, ...] = ("keep", "fp8", "recompute")  # measured and searched; the first is the time base
-    timed_steps: int = 3  # timed steps per choice and micro-batch (their median is the step time)
-    warmup_steps: int = 1  # untimed steps before each measurement (compilation, allocator, optimizer state)
-    autocast: bool | None = None  # BF16 autocast around forward; None: on CUDA only
-    seed: int = 0  # token ids of the measured steps
-    compile_budgets: tuple[float, ...] = ()  # torch.compile activation-memory budgets measured beside torch's own
-
-    def __post_init__(self):
-        if not isinstance(self.seq_len, int) or self.seq_len < 1:
-            raise ValueError(f"MeasureConfig.seq_len: got {self.seq_len!r}; allowed: an integer >= 1")
-        b = tuple(self.batches)
-        if len(b) not in (1, 2) or not all(isinstance(x, int) and x >= 1 for x in b) or (len(b) == 2 and b[0] >= b[1]):
-            raise ValueError(f"MeasureConfig.batches: got {self.batches!r}; allowed: one integer >= 1, or two "
-                             "with 1 <= b1 < b2")
-        object.__setattr__(self, "batches", b)
-        choices = tuple(self.choices)
-        bad = [c for c in choices if c not in CHOICES]
-        if bad or not choices or len(set(choices)) != len(choices):
-            raise ValueError(f"MeasureConfig.choices: got {self.choices!r}; allowed: distinct names of {CHOICES}")
-        object.__setattr__(self, "choices", choices)
-        if not isinstance(self.timed_steps, int) or self.timed_steps < 1:
-            raise ValueError(f"MeasureConfig.timed_steps: got {self.timed_steps!r}; allowed: an integer >= 1")
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ValueError(f"MeasureConfig.warmup_steps: got {self.warmup_steps!r}; allowed: an integer >= 0")
-        if self.autocast not in (None, True, False):
-            raise ValueError(f"MeasureConfig.autocast: got {self.autocast!r}; allowed: true, false or null")
-        try:
-            budgets = tuple(self.compile_budgets)
-        except TypeError:
-            budgets = None
-        if budgets is None or not all(_is_compile_budget(b) for b in budgets) or len(set(budgets)) != len(budgets):
-            raise ValueError(f"MeasureConfig.compile_budgets: got {self.compile_budgets!r}; allowed: distinct "
-                             "numbers in [0, 1]")
-        object.__setattr__(self, "compile_budgets", tuple(float(b) for b in budgets))
-
-
-@dataclass(frozen=True)
-class ChoiceRun:
-    """One measured configuration: every layer on `choice`, at `batch` sequences."""
-
-    choice: str  # the choice every layer had
-    batch: int  # micro-batch (sequences)
-    layer_bytes: tuple[int, ...]  # per layer, model order: bytes its forward left allocated, its input released
-    peak_bytes: int  # the step's peak, resident bytes included
-    step_s: float  # median time of one training step (forward, backward, optimizer step)
-    compile_budget: float | None = None  # torch.compile's activation-memory budget it ran under; None: torch's own
-
-
-@dataclass(frozen=True)
-class Measurements:
-    """Everything the search needs, as measured."""
-
-    layers: tuple[str, ...]  # decoder layer fqns, model order
-    seq_len: int  # tokens per sequence of every measured step
-    device: str  # where it was measured
-    meter: str  # what the byte figures come from
-    params_bytes: int  # parameters (distinct storages)
-    grads_bytes: int  # gradients after backward
-    optimizer_state_bytes: int  # optimizer state but step counters, after steps
-    runs: tuple[ChoiceRun, ...]  # one per measured choice and micro-batch
-    layer_grad_bytes: tuple[int, ...]  # per layer: bytes of its parameters' gradients (allocated as backward passes it)
-
-    @property
-    def fixed_bytes(self) -> int:
-        return self.params_bytes + self.grads_bytes + self.optimizer_state_bytes
-
-    @property
-    def choices(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(r.choice for r in self.runs))
-
-    @property
-    def compile_budgets(self) -> tuple[float | None, ...]:
-        """torch.compile activation-memory budgets measured (None: torch's own), in order."""
-        return tuple(dict.fromkeys(r.compile_budget for r in self.runs))
-
-    def run(self, choice: str, batch: int, compile_budget: float | None = None) -> ChoiceRun:
-        for r in self.runs:
-            if r.choice == choice and r.batch == batch and r.compile_budget == compile_budget:
-                return r
-        at = "" if compile_budget is None else f" under compile budget {compile_budget:g}"
-        raise KeyError(f"no measurement of {choice!r} at micro-batch {batch}{at}")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Measurements":
-        runs = tuple(ChoiceRun(**{**r, "layer_bytes": tuple(r["layer_bytes"])}) for r in d["runs"])
-        return cls(**{**d, "layers": tuple(d["layers"]), "runs": runs,
-                      "layer_grad_bytes": tuple(d["layer_grad_bytes"])})
+__all__ = ["measure_choices", "measure_plan"]
 
 
 def _sync(device: torch.device) -> None:
@@ -205,21 +102,11 @@ class _LayerBytes:
             h.remove()
 
 
-def _state_tensors(opt: torch.optim.Optimizer):
-    return [t for s in opt.state.values() for k, t in s.items() if torch.is_tensor(t) and k != "step"]
-
-
 class _Session:
     """Training steps of one model and a throwaway optimizer, measured; on close the
     parameters are put back as they were and the optimizer is dropped."""
 
     def __init__(self, model: nn.Module, optimizer_factory: Callable, config: MeasureConfig, loss_fn, vocab_size):
-        # Here, not at the top: the profiler package loads the DeepSpeed integration, which
-        # `import coat_ds` must not.
-        from ..profile.trainee import unique_storage_bytes
-        from ..profile.meters import meter_for
-
-        self.storage_bytes, self.meter_for = unique_storage_bytes, meter_for
         self.model, self.config = model, config
         self.loss_fn = loss_fn or training_loss
         self.vocab = vocab_size or vocab_size_of(model)
@@ -255,11 +142,8 @@ class _Session:
         gc.collect()
         x = self.ids(batch)
         _sync(device)
-        if device.type == "cuda":
-            resident = torch.cuda.memory_allocated(device)
-        else:
-            resident = self.storage_bytes([*self.params, *_state_tensors(opt)])
-        meter = self.meter_for(device)
+        resident = resident_bytes(device, [*self.params, *state_tensors(*opt.state.values())])
+        meter = meter_for(device)
         hooks = self.layer_bytes
         hooks.start(meter)
         held = None
@@ -275,7 +159,7 @@ class _Session:
                 held = hooks.stop()
                 loss.backward()
                 del loss
-            self.grads_bytes = self.storage_bytes(p.grad for p in self.params)
+            self.grads_bytes = unique_storage_bytes(p.grad for p in self.params)
             if device.type != "cuda":
                 meter.stop()  # the tracker would trace every op of a pure-torch optimizer step (slow)
             opt.step()
@@ -301,7 +185,7 @@ class _Session:
         return ChoiceRun(choice, batch, held, peak, statistics.median(times))
 
     def state_bytes(self) -> int:
-        return self.storage_bytes(_state_tensors(self.opt))
+        return state_bytes(*self.opt.state.values(), storages=True)
 
     def close(self) -> None:
         self.layer_bytes.remove()
@@ -360,13 +244,13 @@ def measure_choices(model: nn.Module, optimizer_factory: Callable, *, config: Me
                                 f"step {r.step_s * 1e3:.1f} ms")
                     finally:
                         applied.remove()
-        state_bytes = s.state_bytes()
+        opt_bytes = s.state_bytes()
     finally:
         s.close()
     grad_bytes = tuple(sum(p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad)
                        for layer in s.layers)
-    return Measurements(tuple(s.fqns), config.seq_len, str(s.device), s.meter_for(s.device).kind,
-                        s.storage_bytes(s.params), s.grads_bytes, state_bytes, tuple(runs), grad_bytes)
+    return Measurements(tuple(s.fqns), config.seq_len, str(s.device), meter_for(s.device).kind,
+                        unique_storage_bytes(s.params), s.grads_bytes, opt_bytes, tuple(runs), grad_bytes)
 
 
 def measure_plan(model: nn.Module, plan: Plan, optimizer_factory: Callable, *, config: MeasureConfig | None = None,

@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from .measure import Measurements
+from .measurements import Measurements
 from .plan import Plan
 
 __all__ = ["CostModel", "search_plan", "best_assignment", "MAX_FRONT"]

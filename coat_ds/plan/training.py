@@ -6,8 +6,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..integrations.engine_setup import build_optimizer
 from .layers import decoder_layers
-from .measure import MeasureConfig, measure_choices, measure_plan
+from .measure import measure_choices, measure_plan
+from .measurements import MeasureConfig
 from .plan import Plan, load_plan
 from .search import CostModel
 from .verify import search_verified
@@ -16,8 +18,6 @@ __all__ = ["plan_for_run"]
 
 
 def _optimizer_factory(ds_settings):
-    from ..integrations.engine_setup import build_optimizer
-
     def build(params):
         try:
             return build_optimizer(ds_settings, params)

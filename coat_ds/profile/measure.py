@@ -21,8 +21,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .trainee import Trainee, unique_storage_bytes
-from .meters import meter_for, saved_tensor_bytes
+from ..memory import meter_for, resident_bytes, saved_tensor_bytes, unique_storage_bytes
+from .trainee import Trainee
 
 __all__ = ["ActivationPoint", "SideMeasurement", "measure_side", "train_step", "random_batch"]
 
@@ -148,10 +148,7 @@ def _measured_step(trainee: Trainee, batch: int, seq_len: int, vocab: int, seed:
     if trainee.activations is not None:
         trainee.activations.reset_stats()
     meter = meter_for(trainee.device)
-    if trainee.device.type == "cuda":
-        resident = torch.cuda.memory_allocated(trainee.device)
-    else:
-        resident = unique_storage_bytes([*trainee.weight_tensors(), *_state_tensors(trainee)])
+    resident = resident_bytes(trainee.device, [*trainee.weight_tensors(), *_resident_state(trainee)])
     meter.start()
     try:
         counter = saved_tensor_bytes((x, y))
@@ -215,7 +212,8 @@ def unless_oom(trainee: Trainee, fn: Callable, say=print):
     return result if all_ranks_agree(result is not None, trainee.device) else None
 
 
-def _state_tensors(trainee: Trainee):
+def _resident_state(trainee: Trainee):
+    """Every optimizer state tensor, step counters too: all of it stays allocated."""
     return [t for s in trainee.optimizer().state.values() for t in s.values() if torch.is_tensor(t)]
 
 

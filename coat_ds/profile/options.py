@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config.shipped import resolve_ds_config, shipped_dirs
+from ..plan import CHOICES, MeasureConfig
 
 __all__ = ["ProfileOptions", "build_parser", "parse_options", "child_argv", "ENGINES", "SIDES"]
 
@@ -66,8 +67,6 @@ class ProfileOptions:
             raise ValueError("--max-batch must be >= 1 and --throughput-steps >= 0")
         if self.vocab_size is not None and self.vocab_size < 1:
             raise ValueError(f"--vocab-size must be >= 1, got {self.vocab_size!r}")
-        from ..plan import CHOICES
-
         bad = [c for c in self.choices if c not in CHOICES]
         if bad or not self.choices:
             raise ValueError(f"--choices: got {list(self.choices)!r}; allowed: one or more of {', '.join(CHOICES)}")
@@ -78,8 +77,6 @@ class ProfileOptions:
         if self.compile_budgets and not (self.plan and self.compile):
             raise ValueError("--compile-budgets is for --plan --compile runs (torch reads the budget when it "
                              "compiles a graph)")
-        from ..plan import MeasureConfig
-
         object.__setattr__(self, "compile_budgets",
                            MeasureConfig(compile_budgets=self.compile_budgets).compile_budgets)
         if self.plan and self.fp8_linear:

@@ -16,6 +16,7 @@ from ..models.llama import PRESETS, model_config
 from .trainee import build_trainee, load_side
 from .measure import SideMeasurement, measure_side, train_step, unless_oom
 from .options import ProfileOptions, child_argv
+from .planned import profile_plan
 from .report import markdown_table, write_chart, write_json, write_markdown
 from .search import CudaTrial, Trial, budget_fits, search_max_batch
 
@@ -220,8 +221,6 @@ def _profile_plan(opts: ProfileOptions, name: str, mcfg, seq_len: int) -> dict:
         float(torch.cuda.get_device_properties(device).total_memory)
     print(f"model {name}: {mcfg.num_params() / 1e6:.1f}M params, vocab {mcfg.vocab_size}, seq {seq_len}, on "
           f"{device.type}; budget {budget / 1e9:.3f} GB; planning per decoder layer", flush=True)
-    from .planned import profile_plan
-
     return profile_plan(opts, mcfg, seq_len, device, budget, lambda s: print(s, flush=True))
 
 

@@ -16,12 +16,14 @@ from ..activation import compress_activations
 from ..config import ActivationConfig
 from ..config.ds_json import load_ds_config
 from ..integrations.engine_setup import optimizer_settings
-from ..integrations.deepspeed.engine import local_partitions
+from ..integrations.deepspeed.engine import initialize, local_partitions
+from ..integrations.fsdp import setup_fsdp
 from ..linear import convert_to_fp8_linear
 from ..models.llama import Llama, ModelConfig
 from ..optim import CoatAdamW
+from ..optim.state import state_bytes
 
-__all__ = ["Side", "load_side", "Trainee", "build_trainee", "unique_storage_bytes"]
+__all__ = ["Side", "load_side", "Trainee", "build_trainee"]
 
 
 @dataclass(frozen=True)
@@ -46,23 +48,6 @@ def load_side(name: str, path: str, fp8_linear: bool = False) -> Side:
         return Side(name, path, params, {}, fp8_linear)
     # The baseline picks its AdamW implementation by device (fused on CUDA).
     return Side(name, path, None, {k: v for k, v in params.items() if k != "fused"})
-
-
-def unique_storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors`: views of one flat buffer count once,
-    with the buffer's padding, because that is what the allocator holds."""
-    seen, total = set(), 0
-    for t in tensors:
-        if t is None:
-            continue
-        if hasattr(t, "to_local"):  # DTensor: this rank's shard
-            t = t.to_local()
-        s = t.untyped_storage()
-        if s.data_ptr() == 0 or s.data_ptr() in seen:
-            continue
-        seen.add(s.data_ptr())
-        total += s.nbytes()
-    return total
 
 
 def _tensors_in(obj, depth: int = 3):
@@ -115,8 +100,8 @@ class Trainee:
     def optimizer_state_bytes(self) -> int:
         # Every state tensor but the step counter: FP32 exp_avg/exp_avg_sq for AdamW; FP8
         # codes, scales, k and centres (plus FP32 moments of tiny tensors) for CoatAdamW.
-        return unique_storage_bytes(t for s in self.optimizer().state.values() for k, t in s.items()
-                                    if torch.is_tensor(t) and k != "step")
+        # Storages count once: ZeRO may keep states as views of flat buffers.
+        return state_bytes(*self.optimizer().state.values(), storages=True)
 
     def close(self) -> None:
         if self.activations is not None:
@@ -178,8 +163,6 @@ class DeepSpeedTrainee(Trainee):
     engine = "deepspeed"
 
     def __init__(self, side: Side, model: nn.Module, device: torch.device):
-        from ..integrations.deepspeed.engine import initialize
-
         super().__init__(side, model, device)
         # The coat_ds initializer builds CoatAdamW from the JSON; a baseline JSON passes through.
         self.ds, _, _, _ = initialize(model=model, config=side.config_path)
@@ -234,8 +217,6 @@ class FsdpTrainee(Trainee):
     engine = "fsdp"
 
     def __init__(self, side: Side, model: nn.Module, device: torch.device):
-        from ..integrations.fsdp import setup_fsdp
-
         super().__init__(side, model, device)
         # FP32 sharded parameters, gathered in BF16 for compute (FSDP2 mixed precision).
         self.model = setup_fsdp(model, mode="fsdp2", param_dtype=torch.bfloat16)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import inspect
 import os
 import socket
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ import torch
 
 from ..._compat.deepspeed import comm_op_build, fp32_partitions
 from ...config import OptimStateConfig
-from ...config.ds_json import batch_keys, check_keys, load_ds_config
+from ...config.ds_json import OPTIMIZER_ARGUMENTS, batch_keys, load_ds_config, optimizer_section
 from ...optim import CoatAdamW
 from ...optim import state as st
 from ...config.shipped import find_ds_config
@@ -53,15 +52,7 @@ __all__ = [
 
 OPTIMIZER_TYPE = "CoatAdamW"
 # The keys `optimizer.params` may hold: CoatAdamW's keyword arguments.
-OPTIMIZER_PARAMS = tuple(n for n in inspect.signature(CoatAdamW.__init__).parameters if n not in ("self", "params"))
-
-
-def _check_params(params: dict) -> dict:
-    check_keys(f"optimizer.params of {OPTIMIZER_TYPE}", params, OPTIMIZER_PARAMS)
-    out = dict(params)
-    if isinstance(out.get("betas"), list):
-        out["betas"] = tuple(out["betas"])
-    return out
+OPTIMIZER_PARAMS = OPTIMIZER_ARGUMENTS[OPTIMIZER_TYPE]
 
 
 def prepare_config(config) -> tuple[dict, dict | None]:
@@ -73,12 +64,13 @@ def prepare_config(config) -> tuple[dict, dict | None]:
     state (`elastic_checkpoint`, universal load) or that cannot host it (NVMe optimizer
     offload). Warns about top-level keys DeepSpeed does not know."""
     ds = load_ds_config(config)
-    batch_keys(ds, os.fspath(config) if isinstance(config, (str, os.PathLike)) else "DeepSpeed config")
-    section = ds.get("optimizer")
-    if not section or str(section.get("type", "")).lower() != OPTIMIZER_TYPE.lower():
+    where = os.fspath(config) if isinstance(config, (str, os.PathLike)) else "DeepSpeed config"
+    batch_keys(ds, where)
+    # Only CoatAdamW is ours to build; DeepSpeed builds and checks any other optimizer.
+    found = optimizer_section(ds, where, checked=(OPTIMIZER_TYPE,), pass_others=True)
+    if found is None or found[0] != OPTIMIZER_TYPE:
         return ds, None
-    check_keys("optimizer", section, ("type", "params"))
-    kwargs = _check_params(section.get("params") or {})
+    kwargs = found[1]
     zero = ds.get("zero_optimization") or {}
     if zero.get("elastic_checkpoint"):
         # DeepSpeed's elastic path trims `padding` elements off every 1-D state tensor and

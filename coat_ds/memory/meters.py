@@ -1,7 +1,8 @@
 """Bytes allocated during a region of code: the CUDA caching allocator's counters on a GPU,
 and on a CPU (which keeps no such counters) a tracker of the storages that tensor ops create.
 
-Both report relative to `start()`: `now` (still allocated) and `peak` (highest point)."""
+Both report relative to `start()`: `now` (still allocated) and `peak` (highest point);
+`resident_bytes` is what they sit on."""
 from __future__ import annotations
 
 import weakref
@@ -11,8 +12,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..activation.packing import as_is
+from .tensors import unique_storage_bytes
 
-__all__ = ["Meter", "CudaMeter", "StorageMeter", "meter_for", "saved_tensor_bytes"]
+__all__ = ["Meter", "CudaMeter", "StorageMeter", "meter_for", "resident_bytes", "saved_tensor_bytes"]
 
 
 class Meter:
@@ -126,6 +128,15 @@ class StorageMeter(Meter):
 
 def meter_for(device: torch.device) -> Meter:
     return CudaMeter(device) if device.type == "cuda" else StorageMeter()
+
+
+def resident_bytes(device: torch.device, tensors) -> int:
+    """Bytes allocated when a measured step starts, under the meter's figures: the CUDA
+    allocator's count on a GPU; on a CPU, which counts nothing, the distinct storages of
+    `tensors`, those the caller knows to stay resident (weights, optimizer state)."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return unique_storage_bytes(tensors)
 
 
 class saved_tensor_bytes(torch.autograd.graph.saved_tensors_hooks):
