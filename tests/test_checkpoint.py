@@ -14,12 +14,12 @@ from coat_ds.io.atomic import atomic_write
 from coat_ds.io.checkpoint_folders import (
     LATEST,
     RECORD,
-    CheckpointError,
     check_new_checkpoints,
     find_checkpoint,
     staged_save,
     staging_path,
 )
+from coat_ds.io.safe_load import CheckpointError
 from coat_ds.train.metrics import MetricsLog
 
 

@@ -172,10 +172,10 @@ def test_weight_guess_follows_a_changing_weight():
     the guess state handed in holds the exponent found."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
-    from coat_ds.kernels import linear_ops
+    from coat_ds.kernels import layout, ops
 
-    quantize = linear_ops.get_linear_ops(torch.device("cpu"), "triton", opaque=True)
-    guess = linear_ops.new_weight_guess(torch.device("cpu"))
+    quantize = ops.get_linear_ops(torch.device("cpu"), "triton", opaque=True)
+    guess = layout.new_weight_guess(torch.device("cpu"))
     torch.manual_seed(16)
     w = torch.randn(48, 96)
     for step, scale in enumerate((1.0, 1.0, 8.0, 8.0, 1 / 64, 1.0)):

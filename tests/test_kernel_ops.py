@@ -12,7 +12,7 @@ import torch
 
 from coat_ds.kernels import AdamWHyper, AdamWSlot, QuantizedGroups, fp8, get_ops, ops, reference as R
 from coat_ds.kernels.act_ops import get_act_ops
-from coat_ds.kernels.linear_ops import get_linear_ops
+from coat_ds.kernels.ops import get_linear_ops
 from coat_ds.linear.layer import fp8_gemm_available
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",

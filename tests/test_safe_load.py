@@ -25,7 +25,9 @@ import types
 import pytest
 import torch
 
-from coat_ds.io.checkpoint_folders import RECORD, CheckpointError, find_checkpoint, load_file
+from coat_ds.io.checkpoint_folders import RECORD, find_checkpoint
+
+from coat_ds.io.safe_load import CheckpointError, load_file
 from helpers import ROOT, free_port, run_failing_in_repo, run_in_repo
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -79,7 +79,7 @@ def test_train_py_coat_zero_killed_in_save_resumes(tmp_path, stage):
     assert json.loads((save / "step12" / "coat_ds_checkpoint.json").read_text())["step"] == 12
 
     if stage == 2:  # damaged files name themselves, offline (no engine needed)
-        from coat_ds.io.checkpoint_folders import CheckpointError
+        from coat_ds.io.safe_load import CheckpointError
         from coat_ds.integrations.deepspeed.checkpoint import consolidate_checkpoint
 
         torn = tmp_path / "torn" / "step6"

@@ -52,16 +52,9 @@ from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 from torch.distributed.tensor import DTensor
 
 from ..activation import compress_activations
-from ..io.checkpoint_folders import (
-    CheckpointError,
-    fault_point,
-    find_checkpoint,
-    load_dcp_metadata,
-    reading_file,
-    report_skipped,
-    staged_save,
-    weights_only_loads,
-)
+from ..io.checkpoint_folders import find_checkpoint, report_skipped, staged_save
+from ..io.faults import fault_point
+from ..io.safe_load import CheckpointError, load_dcp_metadata, reading_file, weights_only_loads
 from ..config import ActivationConfig
 from ..optim.sharded import mark_global_numel
 from ..optim.state import MOMENTS

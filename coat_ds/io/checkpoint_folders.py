@@ -21,49 +21,36 @@ incomplete candidate is reported by name (a `.stepN.partial` that holds every fi
 record, killed before its rename, as a complete save never published). A file missing from,
 or shorter or longer than, the record fails with its path.
 
-Checkpoint files are pickles, and unpickling runs whatever function the file names: one from a
-shared folder or a model hub could run code on load. So every load reads them weights-only
-(`weights_only_loads`, `load_file`, `load_dcp_metadata`): tensors, containers, numbers, strings
-and the types torch allows, plus the exact types DeepSpeed and coat_ds write. Anything else is
-refused with a `CheckpointError` naming it and the file, unless the caller passes
-`trust_checkpoint=True`.
-
-Tests kill a rank inside a save through `COAT_DS_CKPT_FAULT` (see `fault_point`).
+Files are read weights-only (io/safe_load.py); tests kill a rank inside a save through
+`COAT_DS_CKPT_FAULT` (io/faults.py).
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-import pathlib
-import pickle
 import re
 import shutil
-import signal
 import sys
 import time
 import zipfile
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 from .atomic import atomic_write, fsync_dir, remove_stale_temps
+from .safe_load import CheckpointError, load_dcp_metadata
 
-__all__ = ["RECORD", "LATEST", "FORMAT", "CheckpointError", "Found", "staged_save", "find_checkpoint",
-           "staging_path", "read_record", "check_new_checkpoints", "check_files", "fault_point", "skipped_message",
-           "report_skipped", "weights_only_loads", "reading_file", "load_file", "load_dcp_metadata"]
+__all__ = ["RECORD", "LATEST", "FORMAT", "Found", "staged_save", "find_checkpoint", "staging_path", "read_record",
+           "check_new_checkpoints", "check_files", "skipped_message", "report_skipped"]
 
 RECORD = "coat_ds_checkpoint.json"  # completion record, written last inside each checkpoint folder
 LATEST = "latest"  # save_dir/latest: the newest complete checkpoint's name (DeepSpeed's convention)
-FORMAT = "coat_ds.io.checkpoint_folders/1"
+FORMAT = "coat_ds.checkpoint/1"  # the module's former name: records written since keep it
 _PARTIAL = ".partial"
 _STEP_NAME = re.compile(r"^step(\d+)$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be written or loaded as asked; the message names the path."""
 
 
 def staging_path(final: str | os.PathLike) -> str:
@@ -330,178 +317,3 @@ def check_new_checkpoints(save_dir: str | os.PathLike, names: list[str]) -> None
         raise FileExistsError(f"{os.fspath(save_dir)} already holds {', '.join(taken)}, which this run would save "
                               "again: a save never modifies an existing checkpoint (use another save_dir, resume "
                               "from the newest one, or remove them)")
-
-
-# -- reading pickled files that may come from anywhere ------------------------------------------
-
-_FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"  # torch reads it at every torch.load
-_TRUST_HINT = ("if you trust where this checkpoint comes from, load it with trust_checkpoint=True "
-               "(train.py: --trust-checkpoint)")
-
-
-def _global_name(obj) -> str:
-    return f"{obj.__module__}.{obj.__qualname__}"
-
-
-@contextlib.contextmanager
-def weights_only_loads(trust_checkpoint: bool = False, allowed: Sequence = ()) -> Iterator[None]:
-    """Every torch.load in the block, those inside DeepSpeed and DCP that ask for
-    weights_only=False included, unpickles weights-only, with the classes and functions in
-    `allowed` permitted besides torch's own; nothing changes with `trust_checkpoint`. The
-    switch is process-wide while the block runs (torch takes it from the environment)."""
-    if trust_checkpoint:
-        yield
-        return
-    before = os.environ.get(_FORCE_WEIGHTS_ONLY)
-    os.environ[_FORCE_WEIGHTS_ONLY] = "1"
-    try:
-        with torch.serialization.safe_globals(list(allowed)):
-            yield
-    finally:
-        if before is None:
-            del os.environ[_FORCE_WEIGHTS_ONLY]
-        else:
-            os.environ[_FORCE_WEIGHTS_ONLY] = before
-
-
-def _refusal(path, names: Sequence[str]) -> CheckpointError:
-    return CheckpointError(f"refusing to load {path}: it holds {', '.join(names)}, which is none of the types torch, "
-                           f"DeepSpeed and coat_ds write into checkpoints; unpickling it could run arbitrary code. "
-                           f"{_TRUST_HINT}")
-
-
-def _weights_only_refusal(path, source, error: Exception) -> CheckpointError:
-    """The refusal of the torch.save file `source` (path or stream): the globals it holds that
-    weights-only unpickling does not allow, else torch's own words for what it refused."""
-    try:
-        if hasattr(source, "seek"):
-            source.seek(0)
-        names = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(source))
-    except Exception:  # a legacy (non-zip) file cannot be listed
-        names = []
-    if names:
-        return _refusal(path, names)
-    found = re.search(r"WeightsUnpickler error: (.*?)(?: Please use|\n|$)", str(error))
-    why = found.group(1) if found else str(error).strip().splitlines()[0]
-    return CheckpointError(f"refusing to load {path}: weights-only unpickling failed: {why}. {_TRUST_HINT}")
-
-
-@contextlib.contextmanager
-def reading_file(path, trust_checkpoint: bool = False, source=None) -> Iterator[None]:
-    """Errors raised while reading checkpoint file `path` become a CheckpointError naming it;
-    unless trusted, a weights-only refusal names the globals refused (listed from `source`,
-    the stream read, default `path`; call inside `weights_only_loads` so that those it
-    allows are not listed)."""
-    try:
-        yield
-    except CheckpointError:
-        raise
-    except pickle.UnpicklingError as e:
-        if trust_checkpoint:
-            raise CheckpointError(f"cannot read {path}: {type(e).__name__}: {e}") from e
-        raise _weights_only_refusal(path, path if source is None else source, e) from e
-    except Exception as e:
-        raise CheckpointError(f"cannot read {path}: {type(e).__name__}: {e}") from e
-
-
-def load_file(path: str | os.PathLike, trust_checkpoint: bool = False, allowed: Sequence = (),
-              map_location="cpu"):
-    """torch.load of one checkpoint file, weights-only with `allowed` permitted unless
-    `trust_checkpoint`; fails with its path (and, when refused, what it holds)."""
-    with weights_only_loads(trust_checkpoint, allowed), reading_file(path, trust_checkpoint):
-        return torch.load(path, map_location=map_location, weights_only=not trust_checkpoint)
-
-
-def _dcp_metadata_globals() -> dict:
-    """What DCP's `.metadata` pickle names (found by unpickling real FSDP1/FSDP2 ones): its own
-    dataclasses, torch.Size, dtypes, layouts, memory formats and the save's path."""
-    from torch.distributed.checkpoint import filesystem
-    from torch.distributed.checkpoint import metadata as md
-
-    objs = [md.Metadata, md.MetadataIndex, md.StorageMeta, md.TensorStorageMetadata, md.BytesStorageMetadata,
-            md.ChunkStorageMetadata, md.TensorProperties, md._MEM_FORMAT_ENCODING, filesystem._StorageInfo,
-            torch.Size, torch.serialization._get_layout, pathlib.PosixPath, pathlib.WindowsPath]
-    allowed = {_global_name(o): o for o in objs}
-    allowed.update({f"torch.{n}": v for n, v in vars(torch).items() if isinstance(v, torch.dtype)})
-    return allowed
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Hands out only the allowed globals, without importing anything the file names."""
-
-    def __init__(self, file, path):
-        super().__init__(file)
-        self._path, self._allowed = path, _dcp_metadata_globals()
-
-    def find_class(self, module, name):
-        obj = self._allowed.get(f"{module}.{name}")
-        if obj is None:
-            raise _refusal(self._path, [f"{module}.{name}"])
-        return obj
-
-
-def load_dcp_metadata(file, path, trust_checkpoint: bool = False):
-    """The `torch.distributed.checkpoint` Metadata pickled in `file` (a binary stream of the
-    `.metadata` file `path`), unpickled with only DCP's own types allowed unless trusted."""
-    try:
-        return pickle.load(file) if trust_checkpoint else _MetadataUnpickler(file, path).load()
-    except CheckpointError:
-        raise
-    except Exception as e:
-        raise CheckpointError(f"cannot read {path}: {type(e).__name__}: {e}") from e
-
-
-# -- fault injection for tests ----------------------------------------------------------------
-
-_FAULT_ENV = "COAT_DS_CKPT_FAULT"
-_FAULT_KEYS = ("rank", "ckpt", "file", "action", "pidfile")
-_ACTIONS = ("raise", "torn", "pause")
-
-
-def _fault() -> dict | None:
-    spec = os.environ.get(_FAULT_ENV)
-    if not spec:
-        return None
-    fault = dict(item.split("=", 1) for item in spec.split(","))
-    bad = set(fault) - set(_FAULT_KEYS)
-    if bad or fault.get("action") not in _ACTIONS or "rank" not in fault:
-        raise ValueError(f"{_FAULT_ENV}={spec!r}: keys {_FAULT_KEYS} (rank and action required), "
-                         f"action one of {_ACTIONS}")
-    if fault["action"] == "pause" and "pidfile" not in fault:
-        raise ValueError(f"{_FAULT_ENV}={spec!r}: action=pause needs pidfile=PATH")
-    return fault
-
-
-@contextlib.contextmanager
-def fault_point(path: str | os.PathLike) -> Iterator[None]:
-    """Wraps the writing of one checkpoint file `path`; does nothing unless
-    `COAT_DS_CKPT_FAULT` picks this file.
-
-    The variable holds `rank=R,action=A[,ckpt=stepN][,file=SUBSTRING][,pidfile=P]`: on rank R,
-    when saving checkpoint stepN, at the files whose name contains SUBSTRING, A is `raise`
-    (an exception instead of the write), `torn` (the file written, cut to half its size, then
-    the process SIGKILLs itself) or `pause` (this process's id written to P, then it waits to
-    be killed from outside, before writing)."""
-    fault = _fault()
-    path = os.fspath(path)
-    if fault is None or not _fault_matches(fault, path):
-        yield
-        return
-    if fault["action"] == "raise":
-        raise OSError(f"{_FAULT_ENV}: injected failure writing {path}")
-    if fault["action"] == "pause":
-        with atomic_write(fault["pidfile"]) as f:
-            f.write(str(os.getpid()))
-        while True:
-            time.sleep(1)
-    yield
-    os.truncate(path, os.path.getsize(path) // 2)
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _fault_matches(fault: dict, path: str) -> bool:
-    if int(fault["rank"]) != _rank_world()[0]:
-        return False
-    if "ckpt" in fault and f".{fault['ckpt']}{_PARTIAL}" not in path.split(os.sep):
-        return False
-    return fault.get("file", "") in os.path.basename(path)

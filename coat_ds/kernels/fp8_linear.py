@@ -26,7 +26,7 @@ import triton.language as tl
 from .act_launch import launch
 from .codec import encode_fp8, pow2, scale_exponent
 from .fp8 import GEMM_ALIGN, get_format, kernel_isa
-from .linear_ops import new_weight_guess
+from .layout import new_weight_guess
 
 __all__ = ["linear_quantize", "new_guess"]
 

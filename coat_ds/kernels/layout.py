@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["GroupLayout", "group_layout", "QuantizedGroups", "AdamWSlot", "AdamWHyper"]
+__all__ = ["GroupLayout", "group_layout", "QuantizedGroups", "AdamWSlot", "AdamWHyper", "new_weight_guess"]
 
 
 @dataclass(frozen=True)
@@ -94,3 +94,9 @@ class AdamWHyper(NamedTuple):
         """log2(beta1), log2(beta2) (-inf for 0): the kernels raise beta to a group's own
         step count as exp2(n * log2(beta))."""
         return tuple(math.log2(b) if b > 0 else float("-inf") for b in (self.beta1, self.beta2))
+
+
+def new_weight_guess(device: torch.device) -> torch.Tensor:
+    """A weight's guess state (fp8_linear.new_guess's layout) before its first quantization:
+    exponent 0, which that quantization corrects as it does any wrong guess."""
+    return torch.zeros(3, dtype=torch.int32, device=device)

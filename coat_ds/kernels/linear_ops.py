@@ -1,5 +1,5 @@
 """The FP8-linear quantize kernels: a torch.library custom op over the Triton launcher, and
-the torch twin; `get_linear_ops` picks one from ops.py's kernel table.
+the torch twin; `ops.get_linear_ops` picks one from the kernel table.
 
 The custom op (with a fake implementation giving output shapes) lets torch.compile trace a
 converted layer without a graph break; the torch twin is plain torch ops, which Inductor
@@ -12,9 +12,6 @@ import torch
 from .._compat.torch import force_stride_order
 from . import reference
 from .fp8 import GEMM_ALIGN, get_format, triton_usable
-from .ops import kernels_for, torch_kernels
-
-__all__ = ["get_linear_ops", "new_weight_guess"]
 
 _FORMATS = ("e4m3", "e5m2")
 
@@ -23,12 +20,6 @@ def _split(codes, codes_t, e, rowwise: bool, transposed: bool):
     # A custom op returns tensors only: an absent output travels as an empty tensor.
     empty = e.new_empty((0,), dtype=torch.uint8)
     return (codes if rowwise else empty), (codes_t if transposed else empty), e
-
-
-def new_weight_guess(device: torch.device) -> torch.Tensor:
-    """A weight's guess state (fp8_linear.new_guess's layout) before its first quantization:
-    exponent 0, which that quantization corrects as it does any wrong guess."""
-    return torch.zeros(3, dtype=torch.int32, device=device)
 
 
 def _triton_quantize(x, fmt, rowwise, transposed, exp, guess):
@@ -87,22 +78,3 @@ def _one_buffer(codes):
     if codes is None:
         return None
     return force_stride_order(codes)
-
-
-def get_linear_ops(device: torch.device, backend: str = "auto", opaque: bool = False):
-    """`quantize(x2d, fmt, rowwise, transposed, exp=None, split=0, guess=None) -> (codes |
-    None, codes_t | None, exp)` for tensors on `device` (`exp`: use this exponent instead of
-    reading the max; `split`: reference.linear_finite_absmax's, for the twin; `guess`: a
-    weight's fp8_linear.new_guess state on its device, which the Triton kernels start from
-    and update in place; the twin ignores it):
-    "triton" (the custom op over the Triton kernels), "torch" (the twin)
-    or "auto": the twin while torch.compile traces (Inductor then fuses the casts into their
-    producers) and on CPU, the Triton op on CUDA.
-
-    `opaque`: always a custom op (the twin inside it where the backend says so). What it
-    returns is then saved for backward by torch.compile rather than recomputed there, as
-    AOTAutograd recomputes only ops it knows."""
-    if backend == "auto" and not opaque and torch.compiler.is_compiling():
-        return torch_kernels().linear_quantize
-    kernels = kernels_for(device, backend, "Fp8LinearConfig.backend")
-    return kernels.linear_quantize_opaque if opaque else kernels.linear_quantize

@@ -27,7 +27,7 @@ from torch import Tensor
 from .fp8 import use_triton
 from .layout import AdamWHyper, AdamWSlot, QuantizedGroups, group_layout
 
-__all__ = ["Kernels", "kernels_for", "torch_kernels", "triton_kernels", "flat_slots", "OP_NAMES", "BODIES"]
+__all__ = ["Kernels", "kernels_for", "torch_kernels", "triton_kernels", "get_linear_ops", "flat_slots", "OP_NAMES", "BODIES"]
 
 
 @dataclass(frozen=True)
@@ -216,3 +216,22 @@ act_quantize_rows = _define("act_quantize_rows", _act_quantize_rows, _act_quanti
 act_dequantize_rows = _define("act_dequantize_rows", _act_dequantize_rows, _decoded_fake)
 
 OP_NAMES = (*BODIES, "fp8_linear_quantize")
+
+
+def get_linear_ops(device: torch.device, backend: str = "auto", opaque: bool = False):
+    """`quantize(x2d, fmt, rowwise, transposed, exp=None, split=0, guess=None) -> (codes |
+    None, codes_t | None, exp)` for tensors on `device` (`exp`: use this exponent instead of
+    reading the max; `split`: reference.linear_finite_absmax's, for the twin; `guess`: a
+    weight's fp8_linear.new_guess state on its device, which the Triton kernels start from
+    and update in place; the twin ignores it):
+    "triton" (the custom op over the Triton kernels), "torch" (the twin)
+    or "auto": the twin while torch.compile traces (Inductor then fuses the casts into their
+    producers) and on CPU, the Triton op on CUDA.
+
+    `opaque`: always a custom op (the twin inside it where the backend says so). What it
+    returns is then saved for backward by torch.compile rather than recomputed there, as
+    AOTAutograd recomputes only ops it knows."""
+    if backend == "auto" and not opaque and torch.compiler.is_compiling():
+        return torch_kernels().linear_quantize
+    kernels = kernels_for(device, backend, "Fp8LinearConfig.backend")
+    return kernels.linear_quantize_opaque if opaque else kernels.linear_quantize

@@ -20,7 +20,7 @@ import torch
 from .._compat.torch import scaled_mm
 from ..kernels import reference
 from ..kernels.fp8 import get_format
-from ..kernels.linear_ops import get_linear_ops
+from ..kernels.ops import get_linear_ops
 from . import shared_input
 
 __all__ = ["fp8_linear"]
@@ -150,7 +150,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                fp8_gemm: bool, fmts: tuple[str, str, str], fast_accum: bool, backend: str,
                keep_weight_codes: bool = False, weight_guess: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ weight.t() + bias over x's last dim, as described above. `weight_guess`: the
-    weight's exponent-guess state (kernels/linear_ops.new_weight_guess, on its device), which
+    weight's exponent-guess state (kernels/layout.new_weight_guess, on its device), which
     the Triton kernels read and update in place; None quantizes the weight from its max."""
     return _Fp8LinearFunction.apply(x, weight, bias, out_dtype, fp8_gemm, fmts, fast_accum, backend,
                                     keep_weight_codes, weight_guess)

@@ -6,7 +6,7 @@ from torch import nn
 
 from ..config import Fp8LinearConfig
 from ..kernels.fp8 import cuda_has_fp8
-from ..kernels.linear_ops import new_weight_guess
+from ..kernels.layout import new_weight_guess
 from .function import fp8_linear
 
 __all__ = ["Fp8Linear", "fp8_gemm_available"]

@@ -37,17 +37,9 @@ import torch
 
 from ..._compat.deepspeed import refresh_lp_params, set_full_fp32_param, zero3_param_groups_filled, zero_layout
 from ...io.atomic import atomic_write
-from ...io.checkpoint_folders import (
-    CheckpointError,
-    Found,
-    fault_point,
-    find_checkpoint,
-    load_file,
-    reading_file,
-    report_skipped,
-    staged_save,
-    weights_only_loads,
-)
+from ...io.checkpoint_folders import Found, find_checkpoint, report_skipped, staged_save
+from ...io.faults import fault_point
+from ...io.safe_load import CheckpointError, load_file, reading_file, weights_only_loads
 from ...optim import state as st
 from .engine import coat_optimizer, group_state_config, local_partitions
 
