@@ -1,9 +1,26 @@
+import hashlib
 import multiprocessing.process
 import os
+import pathlib
 import subprocess
 import sys
+import tempfile
 
-import torch
+
+def _inductor_cache_for_this_code() -> str:
+    """An Inductor cache folder keyed by coat_ds's sources: Inductor's on-disk caches do not key
+    compiled graphs by a custom op's schema, so code compiled before one of ours changed would
+    call it with the old arguments. Warm across runs of the same code, fresh after a change."""
+    digest = hashlib.sha256()
+    for path in sorted(pathlib.Path(__file__).parent.parent.joinpath("coat_ds").rglob("*.py")):
+        digest.update(path.read_bytes())
+    return os.path.join(tempfile.gettempdir(), "coat_ds_inductor", digest.hexdigest()[:16])
+
+
+# Set before torch is imported; subprocesses (launchers, ranks) inherit it.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", _inductor_cache_for_this_code())
+
+import torch  # noqa: E402
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 

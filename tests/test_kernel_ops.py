@@ -83,7 +83,7 @@ def test_adamw_op_with_fp32_moments_passes_opcheck():
 
 def test_linear_op_passes_opcheck():
     w = _x(20, 48)
-    torch.library.opcheck(torch.ops.coat_ds.fp8_linear_quantize.default, (w, 0, True, True, None, True, None))
+    torch.library.opcheck(torch.ops.coat_ds.fp8_linear_quantize.default, (w, 0, True, True, None, None, True))
 
 
 def _equal(a, b) -> bool:

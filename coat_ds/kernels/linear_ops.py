@@ -29,11 +29,12 @@ def _triton_quantize(x, fmt, rowwise, transposed, exp, guess):
 
 
 # `guess`: fp8_linear.new_guess's state, which the Triton kernels start from and update in
-# place (the twin ignores it).
+# place (the twin ignores it). It has no default: torch 2.11 drops a trailing argument left at
+# its default before bumping the version of each mutated one, and then fails indexing it.
 @torch.library.custom_op("coat_ds::fp8_linear_quantize", mutates_args=("guess",))
-def _quantize_op(x: torch.Tensor, fmt_id: int, rowwise: bool, transposed: bool,
-                 exp: torch.Tensor | None = None, twin: bool = False,
-                 guess: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _quantize_op(x: torch.Tensor, fmt_id: int, rowwise: bool, transposed: bool, guess: torch.Tensor | None,
+                 exp: torch.Tensor | None = None,
+                 twin: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     fmt = _FORMATS[fmt_id]
     if not twin and triton_usable(x.device):
         out = _triton_quantize(x, fmt, rowwise, transposed, exp, guess)
@@ -45,7 +46,7 @@ def _quantize_op(x: torch.Tensor, fmt_id: int, rowwise: bool, transposed: bool,
 
 
 @_quantize_op.register_fake
-def _(x, fmt_id, rowwise, transposed, exp=None, twin=False, guess=None):
+def _(x, fmt_id, rowwise, transposed, guess, exp=None, twin=False):
     m, k = x.shape
     mp = -(-m // GEMM_ALIGN) * GEMM_ALIGN
     codes = x.new_empty((m, k) if rowwise else (0,), dtype=torch.uint8)
@@ -55,7 +56,7 @@ def _(x, fmt_id, rowwise, transposed, exp=None, twin=False, guess=None):
 
 def _custom_quantize(x, fmt, rowwise, transposed, exp=None, split=0, guess=None, twin=False):
     # `split` shapes the twin's max reduction for Inductor; the Triton kernel has its own blocks.
-    codes, codes_t, e = _quantize_op(x, get_format(fmt).id, rowwise, transposed, exp, twin, guess)
+    codes, codes_t, e = _quantize_op(x, get_format(fmt).id, rowwise, transposed, guess, exp, twin)
     return (codes if rowwise else None), (codes_t if transposed else None), e
 
 
