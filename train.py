@@ -202,11 +202,13 @@ def launch_env(engine: str) -> None:
 
 
 def quiet_known_warnings() -> None:
-    """DeepSpeed's ZeRO calls `torch.distributed.all_gather_into_tensor`, deprecated in torch
-    2.13: every rank would print torch's FutureWarning at the first step, about code that is
-    neither the user's nor ours. Only that message is silenced."""
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
-                            category=FutureWarning, module=r"torch\.distributed\.c10d_logger")
+    """DeepSpeed's ZeRO calls `torch.distributed.all_gather_into_tensor` (and, under ZeRO-3,
+    `reduce_scatter_tensor`), deprecated in torch 2.13: every rank would print torch's
+    FutureWarning at the first step, about code that is neither the user's nor ours. Only those
+    two messages are silenced."""
+    warnings.filterwarnings(
+        "ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+        category=FutureWarning, module=r"torch\.distributed\.c10d_logger")
 
 
 ENGINES = {"deepspeed": setup_deepspeed, "fsdp": setup_fsdp_engine}

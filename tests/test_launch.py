@@ -166,16 +166,19 @@ def test_clipping_off_note():
     assert clipping_off_note({}) is None  # DeepSpeed's default clips at 1.0
 
 
-def test_quiet_known_warnings_silences_only_deepspeeds_deprecated_all_gather(monkeypatch):
+def test_quiet_known_warnings_silences_only_deepspeeds_deprecated_collectives(monkeypatch):
     monkeypatch.syspath_prepend(ROOT)
     import train
 
     message = ("`torch.distributed.all_gather_into_tensor` is deprecated. Please use "
                "`torch.distributed.all_gather_single` instead.")
+    zero3 = ("`torch.distributed.reduce_scatter_tensor` is deprecated. Please use "
+             "`torch.distributed.reduce_scatter_single` instead.")
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         train.quiet_known_warnings()
         for text, category, module in [(message, FutureWarning, "torch.distributed.c10d_logger"),
+                                       (zero3, FutureWarning, "torch.distributed.c10d_logger"),
                                        (message, FutureWarning, "my_script"),
                                        ("another deprecation", FutureWarning, "torch.distributed.c10d_logger"),
                                        (message, UserWarning, "torch.distributed.c10d_logger")]:
