@@ -169,6 +169,8 @@ class _Attend(nn.Module):
 @pytest.mark.parametrize("name", sorted(_GPU_OPS))
 def test_gpu_attention_ops_keep_their_output(name, cpu_kernel):
     call, node = _GPU_OPS[name]
+    if name == "_scaled_dot_product_fused_attention_overrideable" and torch.__version__ < "2.13":
+        pytest.skip("torch 2.11 has no CPU kernel for this op's backward, which the compiled half runs")
     op = cpu_kernel(name)
     model = _Attend(lambda q, k, v: call(op, q, k, v))
     x = torch.randn(2, 32, 64, requires_grad=True)

@@ -303,6 +303,9 @@ def _saved_dtypes(out) -> set:
     return dtypes
 
 
+@pytest.mark.xfail(torch.__version__ < "2.13", strict=True, raises=RuntimeError,
+                   reason="torch 2.11 (the GPU machine's) falls back to eager around the forced pack, whose hook "
+                          "then fails autograd's in-place check (seen on the H100, 2026-11-25): open")
 @pytest.mark.parametrize("forced", ["context", "frame"])
 def test_compiled_graphs_without_graph_facts_compress_nothing(monkeypatch, forced):
     """Without AOTAutograd's hook context (or its static inputs) the traced pack keeps the
