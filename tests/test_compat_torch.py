@@ -22,6 +22,7 @@ from coat_ds import ActivationConfig
 from coat_ds._compat import torch as ct
 from coat_ds.activation import api, hooks, traced
 from coat_ds.activation.policy import KEEP, Policy
+from test_act_compile import _graph_saved
 from test_act_llama_block import GRAD_SQNR_DB, block_grads, make_block, rope_tables, sqnr_db
 
 CFG = ActivationConfig(backend="torch", min_numel=256)
@@ -283,24 +284,11 @@ def _compiled_mlp_grads(compress: bool):
     torch.manual_seed(1)
     x = torch.randn(8, 16, 64, requires_grad=True)
     out = fn(x)
-    saved_dtypes = _saved_dtypes(out)
+    saved_dtypes = {t.dtype for t in _graph_saved(out)}
     out.square().sum().backward()
     if handle is not None:
         handle.remove()
     return [x.grad] + [p.grad for p in model.parameters()], saved_dtypes
-
-
-def _saved_dtypes(out) -> set:
-    dtypes, stack, seen = set(), [out.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if type(node).__name__ == "CompiledFunctionBackward":
-            dtypes |= {t.dtype for t in node.saved_tensors}
-        stack += [f for f, _ in node.next_functions]
-    return dtypes
 
 
 @pytest.mark.xfail(torch.__version__ < "2.13", strict=True, raises=RuntimeError,
