@@ -5,6 +5,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -55,6 +56,12 @@ def run_in_repo(cmd: list[str], timeout: int, **env) -> subprocess.CompletedProc
     proc = subprocess.run(cmd, cwd=ROOT, env=_repo_env(env), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     return proc
+
+
+def run_ranks(script: str, *args: str, timeout: int, nproc: int = 2, **env) -> subprocess.CompletedProcess:
+    """`script args` on `nproc` local ranks under torchrun (a free port), as `run_in_repo` runs it."""
+    return run_in_repo([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+                        str(free_port()), script, *args], timeout, **env)
 
 
 def run_failing_in_repo(cmd: list[str], timeout: int, **env) -> subprocess.CompletedProcess:

@@ -10,14 +10,12 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 FIXTURES = os.path.join(HERE, "data", "checkpoints")
 
 _spec = importlib.util.spec_from_file_location("make_checkpoints", os.path.join(HERE, "data", "make_checkpoints.py"))
@@ -140,28 +138,23 @@ def worker_fsdp2(ckpt: str) -> None:
     assert all(bool(torch.isfinite(p.to_local()).all()) for p in model.parameters())
 
 
-def _launch(tmp_path, *args: str) -> None:
-    from helpers import free_port
+def _launch(*args: str) -> None:
+    from helpers import run_ranks
 
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(free_port()), __file__, *args]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    run_ranks(__file__, *args, timeout=600, DS_ACCELERATOR="cpu")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_checkpoint_loads_bit_exactly(stage, tmp_path):
     ckpt = shutil.copytree(os.path.join(FIXTURES, f"zero{stage}"), tmp_path / "ckpt")
-    _launch(tmp_path, "zero", str(stage), str(ckpt))
+    _launch("zero", str(stage), str(ckpt))
 
 
 @pytest.mark.slow
 def test_fsdp2_dcp_checkpoint_loads_bit_exactly(tmp_path):
     ckpt = shutil.copytree(os.path.join(FIXTURES, "fsdp2"), tmp_path / "ckpt")
-    _launch(tmp_path, "fsdp2", str(ckpt))
+    _launch("fsdp2", str(ckpt))
 
 
 if __name__ == "__main__":

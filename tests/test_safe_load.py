@@ -18,7 +18,6 @@ import json
 import os
 import pickle
 import shutil
-import subprocess
 import sys
 import types
 
@@ -28,9 +27,8 @@ import torch
 from coat_ds.io.checkpoint_folders import RECORD, find_checkpoint
 
 from coat_ds.io.safe_load import CheckpointError, load_file
-from helpers import ROOT, free_port, run_failing_in_repo, run_in_repo
+from helpers import run_failing_in_repo, run_in_repo, run_ranks
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 GLOBAL = "builtins.eval"
 
 
@@ -191,12 +189,7 @@ def worker_deepspeed(out: str) -> None:
 
 @pytest.mark.slow
 def test_deepspeed_loads_refuse_crafted_files(tmp_path):
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           __file__, str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    run_ranks(__file__, str(tmp_path), timeout=600, DS_ACCELERATOR="cpu")
     for rank in range(2):
         for stage, r in json.load(open(tmp_path / f"rank{rank}.json")).items():
             assert r["real_loads"], (rank, stage)
