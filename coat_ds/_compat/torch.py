@@ -21,7 +21,7 @@ __all__ = [
     "activation_memory_budget", "raise_recompile_limit", "current_graph_task_id", "top_saved_tensors_hooks",
     "TRACED_TENSOR_TYPES", "autograd_node_classes", "flex_attention_backward_node", "detach_unseen",
     "HAS_SAVED_TENSOR_HOOK_CONTEXT", "saved_tensor_hook_context", "static_input_indices", "force_stride_order",
-    "HAS_SCALED_MM", "scaled_mm",
+    "HAS_SCALED_MM", "scaled_mm", "queue_backward_callback",
 ]
 
 VERSION = torch.__version__
@@ -121,6 +121,21 @@ def _no_graph_task() -> int:
 # The running backward pass's id, -1 outside backward (checked on 2.11, 2.13). Fallback:
 # always -1, warning once.
 current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None) or _no_graph_task
+
+_engine_queue_callback = getattr(getattr(torch.autograd.Variable, "_execution_engine", None), "queue_callback", None)
+
+
+def queue_backward_callback(fn, fallback: str) -> bool:
+    """Run `fn()` once the running backward pass has finished, after the callbacks queued
+    before it (torch.autograd.Variable._execution_engine.queue_callback; checked on 2.11,
+    2.13). Must be called inside backward. Fallback: returns False without queueing,
+    warning once with `fallback` (what the caller does instead)."""
+    if _engine_queue_callback is None:
+        _warn("torch.autograd.Variable._execution_engine.queue_callback", fallback)
+        return False
+    _engine_queue_callback(fn)
+    return True
+
 
 _top_hooks = getattr(getattr(torch._C, "_autograd", None), "_top_saved_tensors_default_hooks", None)
 

@@ -83,13 +83,13 @@ def _store_moment(row, base: tl.constexpr, new, offs, valid, gi, gmask,
 
 
 @triton.jit
-def _adamw_kernel(table_ptr, blocks_ptr, skipped_ptr,
+def _adamw_kernel(table_ptr, blocks_ptr, skipped_ptr, gscale_ptr,
                   beta1, beta2, eps, decay, step_size, inv_bc2_sqrt, lr, step, log2_beta1, log2_beta2,
                   P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, QUANT: tl.constexpr,
                   FMT_M: tl.constexpr, FMT_V: tl.constexpr, DRE: tl.constexpr,
                   KNUM_M: tl.constexpr, KNUM_V: tl.constexpr,
                   G: tl.constexpr, BG: tl.constexpr, TABLE_COLS: tl.constexpr, ALIGNED: tl.constexpr,
-                  ISA: tl.constexpr):
+                  GSCALE: tl.constexpr, ISA: tl.constexpr):
     pid = tl.program_id(0)
     t = tl.load(blocks_ptr + 2 * pid).to(tl.int64)
     g0 = tl.load(blocks_ptr + 2 * pid + 1)
@@ -104,6 +104,9 @@ def _adamw_kernel(table_ptr, blocks_ptr, skipped_ptr,
     p_ptr = _ptr(row, 0, P_DTYPE, ALIGNED)
     p = tl.load(p_ptr + offs, mask=valid, other=0.0).to(tl.float32)
     g = tl.load(_ptr(row, 1, G_DTYPE, ALIGNED) + offs, mask=valid, other=0.0).to(tl.float32)
+    if GSCALE:
+        # A clipping coefficient on the device: the gradient as `g.mul_(coef)` would leave it.
+        g = g * tl.load(gscale_ptr)
     m = _load_moment(row, 2, offs, valid, gi, gmask, QUANT, FMT_M, ALIGNED, ISA)
     v = _load_moment(row, 6, offs, valid, gi, gmask, QUANT, FMT_V, ALIGNED, ISA)
 
@@ -238,30 +241,32 @@ class _Launch:
             KNUM_M=K_ONE * fm.dre_log2_range, KNUM_V=K_ONE * fv.dre_log2_range, G=group_size,
             BG=plan.bg, TABLE_COLS=_TABLE_COLS, num_warps=STEP_WARPS)
 
-    def __call__(self, hyper: AdamWHyper, skipped: torch.Tensor | None) -> None:
+    def __call__(self, hyper: AdamWHyper, skipped: torch.Tensor | None, grad_scale: torch.Tensor | None) -> None:
         if skipped is None:
             skipped = torch.zeros((), dtype=torch.int64, device=self.device)
         plan = self.plan
         _adamw_kernel[(plan.grid,)](
-            plan.table, plan.blocks, skipped,
+            plan.table, plan.blocks, skipped, skipped if grad_scale is None else grad_scale,
             hyper.beta1, hyper.beta2, hyper.eps, 1.0 - hyper.lr * hyper.weight_decay, hyper.step_size,
             1.0 / hyper.bias_correction2_sqrt, hyper.lr, hyper.step, *hyper.log2_betas(),
-            ALIGNED=plan.aligned, ISA=kernel_isa(self.device), **self.consts)  # set_fp8_conversions may change it
+            ALIGNED=plan.aligned, GSCALE=grad_scale is not None, ISA=kernel_isa(self.device),  # may change
+            **self.consts)
 
 
 def adamw_step(slots: list[AdamWSlot], hyper: AdamWHyper, *, group_size: int = 128, fmt_m="e4m3",
                fmt_v="e4m3", dre: bool = True, skipped: torch.Tensor | None = None,
-               plan_cache: dict | None = None) -> None:
+               plan_cache: dict | None = None, grad_scale: torch.Tensor | None = None) -> None:
     """Triton twin of `reference.adamw_step`: one launch for all `slots`.
 
     All slots share param dtype, grad dtype and moment kind (FP8 or FP32). `plan_cache`, a
     dict owned by the caller, keeps the address table between steps; it is re-sent whenever
-    any tensor the kernel touches has moved."""
+    any tensor the kernel touches has moved. `grad_scale` (float32, shape (), on the
+    device): every gradient is read multiplied by it, as after `g.mul_(grad_scale)`."""
     slots = _checked(slots, group_size)
     if not slots:
         return
     plan = _bound_plan(slots, _key(slots), group_size, plan_cache)
-    _Launch(slots, plan, fmt_m, fmt_v, dre, group_size)(hyper, skipped)
+    _Launch(slots, plan, fmt_m, fmt_v, dre, group_size)(hyper, skipped, grad_scale)
 
 
 _dtype_of = attrgetter("dtype")
@@ -303,7 +308,8 @@ class PreparedStep:
             return ptrs
         return None
 
-    def __call__(self, grad_ptrs: list[int], hyper: AdamWHyper, skipped: torch.Tensor | None = None) -> None:
+    def __call__(self, grad_ptrs: list[int], hyper: AdamWHyper, skipped: torch.Tensor | None = None,
+                 grad_scale: torch.Tensor | None = None) -> None:
         if self.launch is None:
             return
         if grad_ptrs != self.grad_ptrs:
@@ -311,4 +317,4 @@ class PreparedStep:
             self.grad_ptrs = grad_ptrs
         if self.launch.plan.key is not self.key:  # gradients moved, or another caller bound the cached plan
             self.launch.plan.bind(self.key)
-        self.launch(hyper, skipped)
+        self.launch(hyper, skipped, grad_scale)

@@ -1,6 +1,7 @@
 """CoatAdamW: AdamW with FP8 moments, per-group scales and Dynamic Range Expansion."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import itertools
@@ -19,6 +20,7 @@ from . import state as st
 from . import watch
 from .loading import check_state, is_fp32_layout, merge_groups
 from .group_step import GroupStep
+from .in_backward import CLIP_KEY, InBackward, check_max_grad_norm
 from .nonfinite import SkipCounter, first_nonfinite
 
 __all__ = ["CoatAdamW", "nonfinite_groups"]
@@ -77,13 +79,24 @@ class CoatAdamW(torch.optim.Optimizer):
             checks the gradients first (host syncs) and raises FloatingPointError before
             anything changes.
         backend: "auto", "triton" or "torch".
+        step_in_backward: step each parameter during backward, as soon as its gradient is
+            complete, and free that gradient (optim/in_backward.py; docs/optimizer.md).
+            `step()` then closes the step; `accumulating()` holds the step back for
+            gradient accumulation. Single process or FSDP2 only.
+        max_grad_norm: with step_in_backward, clip to this global norm, using the norm of
+            the previous step's gradients (the first step is not clipped); None: no clipping.
     """
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, first_moment_format: str = "e4m3",
                  second_moment_format: str = "e4m3", group_size: int = 128,
                  dynamic_range_expansion: bool = True, min_quant_numel: int = 4096,
-                 nonfinite: str = "skip", backend: str = "auto"):
+                 nonfinite: str = "skip", backend: str = "auto", step_in_backward: bool = False,
+                 max_grad_norm: float | None = None):
+        if not isinstance(step_in_backward, bool):
+            raise ValueError(f"step_in_backward must be True or False, got {step_in_backward!r}")
+        max_grad_norm = check_max_grad_norm(max_grad_norm, step_in_backward)
+        self._in_backward = InBackward(self, max_grad_norm) if step_in_backward else None
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         first_moment_format=first_moment_format, second_moment_format=second_moment_format,
                         group_size=group_size, dynamic_range_expansion=dynamic_range_expansion,
@@ -104,6 +117,10 @@ class CoatAdamW(torch.optim.Optimizer):
                 group.setdefault(key, value)
         if not hasattr(self, "_skips"):
             self._skips = SkipCounter()
+        if not hasattr(self, "_in_backward"):  # a copy: hooks stay with the optimizer they were made for
+            self._in_backward = None
+        if self._in_backward is not None and self.param_groups:
+            self._in_backward.load_coef(self.param_groups[0].get(CLIP_KEY, 1.0))
         self._drop_caches()
 
     def _drop_caches(self) -> None:
@@ -122,26 +139,69 @@ class CoatAdamW(torch.optim.Optimizer):
         _, cfg = self._validate(group)
         group["first_moment_format"] = cfg.first_moment_format
         group["second_moment_format"] = cfg.second_moment_format
+        if self._in_backward is not None:
+            self._in_backward.watch(len(self.param_groups) - 1, group["params"])
+
+    @property
+    def step_in_backward(self) -> bool:
+        return self._in_backward is not None
+
+    @contextlib.contextmanager
+    def accumulating(self):
+        """With step_in_backward: backward passes inside this block only accumulate gradients
+        (micro-batches before the last); the next backward outside it steps. A no-op otherwise."""
+        ib = self._in_backward
+        if ib is None:
+            yield
+            return
+        before, ib.accumulating = ib.accumulating, True
+        try:
+            yield
+        finally:
+            ib.accumulating = before
+
+    def last_grad_norm(self) -> torch.Tensor | None:
+        """With step_in_backward and max_grad_norm: the global norm of the last closed step's
+        gradients before clipping (a 0-d tensor on the device; reading it syncs), else None."""
+        return None if self._in_backward is None else self._in_backward.norm
 
     # -- the step -------------------------------------------------------------------------
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One AdamW step over every parameter with a gradient. With step_in_backward most
+        parameters were stepped during backward; this steps any gradient still present and
+        closes the step (clipping coefficient, side streams, skip report)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._in_backward is None:
+            self._step_selected(self._params_with_grads(), None)
+        else:
+            self._in_backward.close_step()
+        self._skips.after_step()
+        return loss
+
+    def _params_with_grads(self) -> list[tuple[int, list[torch.Tensor]]]:
+        work = []
+        for gi, group in enumerate(self.param_groups):
+            params = group["params"]
+            if not all(map(is_not, map(_GRAD, params), repeat(None))):
+                params = [p for p in params if p.grad is not None]
+            if params:
+                work.append((gi, params))
+        return work
+
+    def _step_selected(self, selected, grad_scale: torch.Tensor | None) -> None:
+        """Step `selected`, (param group index, parameters with a gradient) pairs, taking each
+        gradient multiplied by `grad_scale` where one is given."""
         # Everything that can refuse the step is checked before any group changes.
         work, raising = [], []
-        for gi, group in enumerate(self.param_groups):
+        for gi, params in selected:
+            group = self.param_groups[gi]
             hp, cfg = self._validate(group)
-            params = group["params"]
             grads = list(map(_GRAD, params))
-            if not all(map(is_not, grads, repeat(None))):
-                params = [p for p, g in zip(params, grads) if g is not None]
-                grads = [g for g in grads if g is not None]
-            if not params:
-                continue
             prepared = self._group_steps.get(tuple(map(id, params)))
             taken = prepared.check(self.state, grads) if prepared is not None and prepared.cfg == cfg else None
             if taken is None:
@@ -163,13 +223,11 @@ class CoatAdamW(torch.optim.Optimizer):
         for hp, cfg, params, prepared, taken in work:
             if prepared is None:
                 prepared, taken = self._prepare(params, cfg)
-            prepared.run(taken, hp, self._skips)
+            prepared.run(taken, hp, self._skips, grad_scale)
         if raising and self._skips.total() > skipped_before:
             raise FloatingPointError(
                 f"CoatAdamW: {self._skips.total() - skipped_before} group(s) had moments that overflowed "
                 "float32; their parameters and moments were left unchanged")
-        self._skips.after_step()
-        return loss
 
     def _prepare(self, params: list[torch.Tensor], cfg: OptimStateConfig) -> tuple[GroupStep, tuple]:
         """A new GroupStep for `params` (creating state on first use), and what its run takes
@@ -231,6 +289,10 @@ class CoatAdamW(torch.optim.Optimizer):
         on the parameter's mesh (views of the live state, see `optim/sharded.py`), so
         `torch.distributed.checkpoint` saves each rank's shard and can reshard on load."""
         sd = super().state_dict()
+        if self._in_backward is not None:
+            coef = self._in_backward.coef_value()
+            for group in sd["param_groups"]:
+                group[CLIP_KEY] = coef
         cfg_of = self._config_of()
         for pid, p in self._by_saved_id(sd["param_groups"]):
             if isinstance(p, DTensor) and pid in sd["state"]:

@@ -36,6 +36,12 @@ _data_ptr = torch.Tensor.data_ptr
 _numel = torch.Tensor.numel
 
 
+def _scaled(grads: list[torch.Tensor], grad_scale: torch.Tensor | None) -> list[torch.Tensor]:
+    """`grads` as `g.mul_(grad_scale)` would leave them, in new tensors (the kernels without a
+    scale argument; the Triton step applies it as it reads each gradient)."""
+    return grads if grad_scale is None else [g * grad_scale.to(g.device) for g in grads]
+
+
 def _picker(indices: list[int]):
     """Function taking the items at `indices` from a sequence, as a tuple."""
     if len(indices) == 1:
@@ -58,7 +64,9 @@ class _EachStep:
             return None
         return [g if g.is_contiguous() else g.contiguous() for g in grads]
 
-    def __call__(self, grads: list[torch.Tensor], hyper: AdamWHyper, skipped: torch.Tensor) -> None:
+    def __call__(self, grads: list[torch.Tensor], hyper: AdamWHyper, skipped: torch.Tensor,
+                 grad_scale: torch.Tensor | None = None) -> None:
+        grads = _scaled(grads, grad_scale)
         self.adamw_step([s._replace(grad=g) for s, g in zip(self.slots, grads)], hyper, skipped=skipped, **self.kw)
 
 
@@ -75,11 +83,12 @@ class _Bucket:
         prepare = self.ops.prepare_adamw_step
         self.launch = _EachStep(self.ops.adamw_step, slots, **self.kw) if prepare is None else prepare(slots, **self.kw)
 
-    def split_run(self, grads, steps: list[float], hp: AdamWHyperparams, skipped: torch.Tensor) -> None:
+    def split_run(self, grads, steps: list[float], hp: AdamWHyperparams, skipped: torch.Tensor,
+                  grad_scale: torch.Tensor | None) -> None:
         """The step of a bucket whose tensors are at different steps (some went without a
         gradient at some step): one launch per step, nothing prepared."""
         by_step = defaultdict(list)
-        for slot, grad, step in zip(self.slots, grads, steps):
+        for slot, grad, step in zip(self.slots, _scaled(list(grads), grad_scale), steps):
             by_step[int(step)].append(slot._replace(grad=grad if grad.is_contiguous() else grad.contiguous()))
         for step, slots in by_step.items():
             hyper = AdamWHyper.at_step(step, hp.lr, *hp.betas, hp.eps, hp.weight_decay)
@@ -145,7 +154,9 @@ class GroupStep:
             taken.append(t)
         return grads, taken
 
-    def run(self, taken: tuple, hp: AdamWHyperparams, skips: SkipCounter) -> None:
+    def run(self, taken: tuple, hp: AdamWHyperparams, skips: SkipCounter, grad_scale: torch.Tensor | None = None) -> None:
+        """Step every parameter once; `grad_scale` (float32, shape ()): the gradients are taken
+        multiplied by it (a clipping coefficient on the device)."""
         grads, per_bucket = taken
         self.steps.add_(1)
         steps = self.steps.tolist()
@@ -155,6 +166,6 @@ class GroupStep:
             skipped = skips.counter(bucket.slots[0].param.device)
             if b_steps.count(b_steps[0]) == len(b_steps):
                 hyper = AdamWHyper.at_step(int(b_steps[0]), hp.lr, *hp.betas, hp.eps, hp.weight_decay)
-                bucket.launch(t, hyper, skipped)
+                bucket.launch(t, hyper, skipped, grad_scale)
             else:
-                bucket.split_run(grads if single else bucket.pick(grads), b_steps, hp, skipped)
+                bucket.split_run(grads if single else bucket.pick(grads), b_steps, hp, skipped, grad_scale)

@@ -1,0 +1,217 @@
+"""CoatAdamW's update inside backward: each parameter steps as soon as its gradient is
+complete and the gradient is freed, so no FP32 gradient waits for `step()`.
+
+* Trigger: the parameter's post-accumulate-grad hook. Under FSDP2 that hook fires on the
+  sharded DTensor after reduce-scatter (on FSDP's reduce stream, which the default stream
+  waits for at the end of backward). Elsewhere it fires on the local gradient, so in a
+  world of several ranks a plain (non-DTensor) parameter is refused: DDP and FSDP1 reduce
+  gradients only after that hook has run.
+* Batching: ready parameters wait in a bucket of up to `BUCKET_NUMEL` elements, stepped
+  by one fused launch per (param group, dtype) as in `step()`; the rest is stepped by a
+  callback at the end of backward. A launch on a CUDA plain parameter runs on a side
+  stream, beside backward's GEMMs; `step()` makes the current stream wait for it.
+* Clipping (`max_grad_norm`): the global norm of a step's gradients is known only once
+  backward ends, after most of them were applied. Each step therefore scales its
+  gradients by min(1, max_grad_norm / (norm + 1e-6)) with the norm of the previous
+  step's gradients (torch's clip_grad_norm_ formula); the first step is not clipped,
+  which changes Adam's first update only through eps, since that update is
+  m / sqrt(v) = sign(g). The current norm is accumulated on the fly and kept where a
+  non-finite one would zero every update. The coefficient lives on the device (no sync)
+  and goes into the param groups' state dict as `in_backward_clip_coef`.
+* Accumulation: inside `optimizer.accumulating()` the hooks do nothing and gradients
+  accumulate as usual; the first backward outside it steps.
+* Groups with `nonfinite="raise"` are not stepped in backward: an exact raise needs every
+  gradient before anything changes, so their gradients wait for `step()`.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from collections import defaultdict
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from .._compat.torch import queue_backward_callback
+from ..memory.tensors import local_tensor
+
+__all__ = ["InBackward", "BUCKET_NUMEL", "CLIP_KEY"]
+
+# Elements of gradient held before a bucket is stepped: one launch per ~256 MB of FP32
+# gradient keeps the host cost near one fused step's while holding little memory.
+BUCKET_NUMEL = 1 << 26
+CLIP_KEY = "in_backward_clip_coef"
+
+_NO_CALLBACK = ("CoatAdamW(step_in_backward=True) steps the parameters left in the last bucket of each backward in "
+                "step() instead: their gradients live until then")
+
+
+def check_max_grad_norm(max_grad_norm, step_in_backward: bool):
+    if max_grad_norm is None:
+        return None
+    if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) \
+            or not 0 < max_grad_norm < math.inf:
+        raise ValueError(f"max_grad_norm must be a finite number > 0 or None, got {max_grad_norm!r}")
+    if not step_in_backward:
+        raise ValueError("max_grad_norm clips inside backward (step_in_backward=True); with step() clip before "
+                         "it, e.g. torch.nn.utils.clip_grad_norm_")
+    return float(max_grad_norm)
+
+
+class InBackward:
+    """The in-backward machinery of one CoatAdamW: hooks, pending bucket, clipping state."""
+
+    def __init__(self, optimizer, max_grad_norm: float | None):
+        self.opt = optimizer
+        self.max_grad_norm = max_grad_norm
+        self.handles: dict[int, object] = {}
+        self.group_of: dict[int, int] = {}
+        self.pending: dict[int, list] = defaultdict(list)
+        self.pending_numel = 0
+        self.in_backward = False  # a callback is queued for the running backward
+        self.accumulating = False
+        self.coef = 1.0  # this step's clipping coefficient: a float until the first norm
+        self.sumsq: dict[tuple, torch.Tensor] = {}
+        self.norm: torch.Tensor | None = None
+        self.streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def watch(self, group_index: int, params) -> None:
+        for p in params:
+            if p.requires_grad and id(p) not in self.handles:
+                self.handles[id(p)] = p.register_post_accumulate_grad_hook(self._ready)
+            self.group_of[id(p)] = group_index
+        if self.opt.param_groups[group_index]["nonfinite"] == "raise":
+            warnings.warn("CoatAdamW(step_in_backward=True): param groups with nonfinite='raise' are stepped in "
+                          "step(), where every gradient is checked first: their gradients are kept until then",
+                          RuntimeWarning, stacklevel=4)
+
+    def remove_hooks(self) -> None:
+        for handle in self.handles.values():
+            handle.remove()
+        self.handles.clear()
+
+    # -- during backward ------------------------------------------------------------------
+
+    def _ready(self, p: torch.Tensor) -> None:
+        if self.accumulating or p.grad is None:
+            return
+        gi = self.group_of[id(p)]
+        if self.opt.param_groups[gi]["nonfinite"] == "raise":
+            return
+        if not self.in_backward:
+            self._check_world(p)
+            self.in_backward = queue_backward_callback(self.end_of_backward, _NO_CALLBACK)
+        self.pending[gi].append(p)
+        self.pending_numel += local_tensor(p).numel()
+        if self.pending_numel >= BUCKET_NUMEL:
+            self.flush()
+
+    @staticmethod
+    def _check_world(p: torch.Tensor) -> None:
+        if isinstance(p, DTensor) or not (dist.is_available() and dist.is_initialized()):
+            return
+        if dist.get_world_size() > 1:
+            raise RuntimeError(
+                f"CoatAdamW(step_in_backward=True) got a plain tensor gradient in a world of {dist.get_world_size()} "
+                "ranks: DDP, FSDP1 and DeepSpeed reduce gradients after the hook that would step it, so each rank "
+                "would apply its own. Shard the model with FSDP2 (fully_shard), or use step_in_backward=False")
+
+    def end_of_backward(self) -> None:
+        self.in_backward = False
+        self.flush()
+
+    def _stream(self, grads: list[torch.Tensor]):
+        device = grads[0].device
+        if device.type != "cuda" or any(g.device != device for g in grads):
+            return None
+        if device not in self.streams:
+            self.streams[device] = torch.cuda.Stream(device)
+        return self.streams[device]
+
+    def flush(self) -> None:
+        """Step every pending parameter and free its gradient."""
+        if not self.pending:
+            return
+        work, self.pending, self.pending_numel = self.pending, defaultdict(list), 0
+        params = [p for ps in work.values() for p in ps]
+        grads = [p.grad for p in params]
+        plain = [g for g in grads if not isinstance(g, DTensor)]
+        stream = self._stream(plain) if len(plain) == len(grads) else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            self.step(work.items(), grads)
+        if stream is not None:
+            for g in grads:
+                g.record_stream(stream)  # freed below, reused only once the step has read it
+        for p in params:
+            p.grad = None
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def step(self, work, grads: list[torch.Tensor]) -> None:
+        if self.max_grad_norm is not None:
+            self._add_norms(grads)
+        self.opt._step_selected(work, self._grad_scale(grads))
+
+    def _grad_scale(self, grads) -> torch.Tensor | None:
+        if self.max_grad_norm is None or (not torch.is_tensor(self.coef) and self.coef == 1.0):
+            return None
+        device = local_tensor(grads[0]).device
+        if not torch.is_tensor(self.coef):
+            self.coef = torch.tensor(self.coef, dtype=torch.float32, device=device)
+        return self.coef if self.coef.device == device else self.coef.to(device)
+
+    def _add_norms(self, grads: list[torch.Tensor]) -> None:
+        by_key: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        for g in grads:
+            key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else (None, local_tensor(g).device)
+            by_key[key].append(local_tensor(g))
+        for key, local in by_key.items():
+            local = [t for t in local if t.numel()]
+            if not local:
+                continue
+            sq = torch.stack([n.float() for n in torch._foreach_norm(local)]).square().sum()
+            self.sumsq[key] = self.sumsq[key] + sq if key in self.sumsq else sq
+
+    def _global_sumsq(self) -> torch.Tensor | None:
+        total = None
+        for (mesh, where), sq in self.sumsq.items():
+            if mesh is not None:
+                placements = [Partial() if isinstance(pl, Shard) else Replicate() for pl in where]
+                sq = DTensor.from_local(sq, mesh, placements).full_tensor()
+            total = sq if total is None else total + sq.to(total.device)
+        return total
+
+    def close_step(self) -> None:
+        """The end of a step (`optimizer.step()`): step what still has a gradient, wait for
+        the side streams, turn this step's norm into the next step's coefficient."""
+        self.flush()
+        work = self.opt._params_with_grads()
+        if work:
+            grads = [p.grad for _, ps in work for p in ps]
+            self.step(work, grads)
+            for _, ps in work:
+                for p in ps:
+                    p.grad = None
+        for device, stream in self.streams.items():
+            torch.cuda.current_stream(device).wait_stream(stream)
+        self.in_backward = False
+        total = self._global_sumsq()
+        self.sumsq = {}
+        if total is None:
+            return
+        self.norm = total.sqrt()
+        prev = self.coef if torch.is_tensor(self.coef) else torch.tensor(self.coef, device=self.norm.device)
+        new = (self.max_grad_norm / (self.norm + 1e-6)).clamp(max=1.0)
+        self.coef = torch.where(torch.isfinite(self.norm), new, prev.to(self.norm.device)).float()
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def coef_value(self) -> float:
+        return float(self.coef)
+
+    def load_coef(self, value) -> None:
+        self.coef = float(value)
