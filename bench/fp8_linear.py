@@ -14,7 +14,9 @@ side in a process of its own (honest peaks).
 Sides: bf16 (torch AdamW fused), bf16_ckpt (+ full activation checkpointing), torchao (float8
 tensorwise linears + torch AdamW), coat (CoatAdamW + compress_activations on the layers),
 coat_fp8 (coat + convert_to_fp8_linear), coat_fp8_triton (backend="triton": our quantize
-kernels as custom ops), coat_fp8_keepw (keep_weight_codes=True). Median of --steps
+kernels as custom ops), coat_fp8_keepw (keep_weight_codes=True), coat_fp8_sib (CoatAdamW
+step_in_backward=True). Each side also reports forward, backward and step() medians
+(CUDA events between the phases; with step_in_backward the update is in the backward column). Median of --steps
 CUDA-event-timed steps after 3 warm-up steps; ratios against BF16 of the same call. With --tree,
 the --ab-sides also run from the other checkout, alternating with this tree for --rounds rounds.
 """
@@ -31,7 +33,7 @@ import sys
 import _common as C
 import torch
 
-SIDES = ("bf16", "bf16_ckpt", "torchao", "coat", "coat_fp8", "coat_fp8_triton", "coat_fp8_keepw")
+SIDES = ("bf16", "bf16_ckpt", "torchao", "coat", "coat_fp8", "coat_fp8_triton", "coat_fp8_keepw", "coat_fp8_sib")
 
 
 def build(shape: str, side: str, seq: int, compiled: bool):
@@ -51,7 +53,8 @@ def build(shape: str, side: str, seq: int, compiled: bool):
     if side.startswith("coat"):
         layers = {id(m) for m in C.decoder_layers(model)}
         coat_ds.compress_activations(model, module_filter_fn=lambda m, fqn: id(m) in layers)
-        opt = coat_ds.CoatAdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+        opt = coat_ds.CoatAdamW(model.parameters(), lr=1e-4, weight_decay=0.0,
+                                **({"step_in_backward": True} if side.endswith("_sib") else {}))
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=torch.cuda.is_available())
     if compiled:
@@ -74,7 +77,8 @@ def run_side(args, shape: str, side: str) -> dict:
 
     ms = C.median_ms(step, args.steps)
     out = {"shape": shape, "side": side, "bs": args.bs, "seq": args.seq, "ms": ms, "peak_gb": C.peak_gb(),
-           "loss": float(losses[-1]), "params": sum(p.numel() for p in model.parameters())}
+           "loss": float(losses[-1]), "params": sum(p.numel() for p in model.parameters()),
+           **phase_ms(model, opt, ids, args.steps)}
     if args.profile:
         print("\n".join(C.kernel_table(step, 70)), flush=True)
     if args.trace:
@@ -85,6 +89,29 @@ def run_side(args, shape: str, side: str) -> dict:
             C.sync()
         prof.export_chrome_trace(f"{args.trace}/{shape}_{side}.json.gz")
     return out
+
+
+def phase_ms(model, opt, ids, steps: int) -> dict:
+    """Median forward, backward and step() times over `steps` steps (CUDA events between the
+    phases; on CPU, nothing)."""
+    if not torch.cuda.is_available():
+        return {}
+    times = []
+    for _ in range(steps):
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        ev[0].record()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        ev[1].record()
+        loss.backward()
+        ev[2].record()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ev[3].record()
+        torch.cuda.synchronize()
+        times.append([a.elapsed_time(b) for a, b in zip(ev, ev[1:])])
+    med = [sorted(col)[len(col) // 2] for col in zip(*times)]
+    return {"fwd_ms": med[0], "bwd_ms": med[1], "opt_ms": med[2]}
 
 
 def bench_kernels() -> list[str]:
@@ -197,16 +224,18 @@ def category(name: str) -> str:
 
 
 def table(results: list[dict]) -> list[str]:
-    rows = ["| shape | tree | side | ms/step | tokens/s | vs BF16 | peak GB | vs BF16 peak |", "|---|---|---|---|---|---|---|---|"]
+    rows = ["| shape | tree | side | ms/step | tokens/s | vs BF16 | peak GB | vs BF16 peak | fwd / bwd / step() ms |",
+            "|---|---|---|---|---|---|---|---|---|"]
     base = {r["shape"]: r for r in results if r["side"] == "bf16" and "ms" in r}
     for r in results:
         if "ms" not in r:
-            rows.append(f"| {r['shape']} | {r['tree']} | {r['side']} | failed: {r['error'][:80]} | | | | |")
+            rows.append(f"| {r['shape']} | {r['tree']} | {r['side']} | failed: {r['error'][:80]} | | | | | |")
             continue
         b = base.get(r["shape"])
         rows.append(f"| {r['shape']} | {r['tree']} | {r['side']} | {r['ms']:.1f} | {r['bs'] * r['seq'] / r['ms'] * 1e3:,.0f} | "
                     + (f"{b['ms'] / r['ms']:.2f}x | {r['peak_gb']:.1f} | {r['peak_gb'] / b['peak_gb']:.2f}x |" if b else
-                       f"- | {r['peak_gb']:.1f} | - |"))
+                       f"- | {r['peak_gb']:.1f} | - |")
+                    + (f" {r['fwd_ms']:.1f} / {r['bwd_ms']:.1f} / {r['opt_ms']:.1f} |" if "fwd_ms" in r else " |"))
     return rows
 
 

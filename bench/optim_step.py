@@ -185,7 +185,9 @@ def host_table(res: dict) -> list[str]:
 
 def run_stub_launch(args) -> dict:
     """CoatAdamW's step on CPU tensors through the Triton backend with the launch removed: 219
-    tensors shaped like a scaled-down Llama list; wall and thread CPU time per step."""
+    tensors shaped like a scaled-down Llama list; wall and thread CPU time per step, for
+    step() and for step_in_backward (each gradient's hook as backward would call it, last
+    tensor first, then step()). Both loops assign the gradients anew, as backward does."""
     os.environ.setdefault("TRITON_INTERPRET", "1")
     from coat_ds import CoatAdamW
     from coat_ds.kernels import adamw
@@ -195,33 +197,51 @@ def run_stub_launch(args) -> dict:
             return lambda *a, **k: None
 
     adamw._adamw_kernel = NoLaunch()
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in llama_shapes(64, 24, 172, 256)]
-    for p in params:
-        p.grad = torch.randn_like(p) * 1e-3
-    opt = CoatAdamW(params, lr=1e-4, weight_decay=0.01, backend="triton", min_quant_numel=args.min_quant_numel)
-    opt.step()
-    wall, cpu = [], []  # thread CPU time: on a shared machine wall time also counts waits for a core
-    for _ in range(args.iters):
-        t0, c0 = time.perf_counter(), time.thread_time()
-        opt.step()
-        wall.append((time.perf_counter() - t0) * 1e3)
-        cpu.append((time.thread_time() - c0) * 1e3)
-    if args.profile:
-        import cProfile
-        import pstats
+    rows = []
+    for in_backward in (False, True):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in llama_shapes(64, 24, 172, 256)]
+        grads = [torch.randn_like(p) * 1e-3 for p in params]
+        opt = CoatAdamW(params, lr=1e-4, weight_decay=0.01, backend="triton", min_quant_numel=args.min_quant_numel,
+                        step_in_backward=in_backward)
+        ib = opt._in_backward
 
-        prof = cProfile.Profile()
-        prof.runcall(lambda: [opt.step() for _ in range(args.iters)])
-        pstats.Stats(prof).sort_stats("tottime").print_stats(15)
-    return {"rows": [{"tensors": len(params), "host_ms_min": min(wall), "host_ms": statistics.median(wall),
-                      "cpu_ms_min": min(cpu), "cpu_ms": statistics.median(cpu)}]}
+        def step():
+            for p, g in zip(reversed(params), reversed(grads)):
+                p.grad = g
+                if ib is not None:
+                    ib.in_backward = True  # outside autograd: no end-of-backward callback to queue
+                    ib._ready(p)
+            if ib is not None:
+                ib.end_of_backward()
+            opt.step()
+
+        step()
+        wall, cpu = [], []  # thread CPU time: on a shared machine wall time also counts waits for a core
+        for _ in range(args.iters):
+            t0, c0 = time.perf_counter(), time.thread_time()
+            step()
+            wall.append((time.perf_counter() - t0) * 1e3)
+            cpu.append((time.thread_time() - c0) * 1e3)
+        if args.profile:
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.runcall(lambda: [step() for _ in range(args.iters)])
+            pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+        rows.append({"mode": "step_in_backward" if in_backward else "step()", "tensors": len(params),
+                     "host_ms_min": min(wall), "host_ms": statistics.median(wall), "cpu_ms_min": min(cpu),
+                     "cpu_ms": statistics.median(cpu)})
+    return {"rows": rows}
 
 
 def stub_table(res: dict) -> list[str]:
-    r = res["rows"][0]
-    return ["| tensors | host ms/step min | median | thread CPU ms min | median |", "|---|---|---|---|---|",
-            f"| {r['tensors']} | {r['host_ms_min']:.3f} | {r['host_ms']:.3f} | {r['cpu_ms_min']:.3f} | {r['cpu_ms']:.3f} |"]
+    base = res["rows"][0]["cpu_ms"]
+    return ["| mode | tensors | host ms/step min | median | thread CPU ms min | median | CPU vs step() |",
+            "|---|---|---|---|---|---|---|"] + [
+        f"| {r['mode']} | {r['tensors']} | {r['host_ms_min']:.3f} | {r['host_ms']:.3f} | {r['cpu_ms_min']:.3f} | "
+        f"{r['cpu_ms']:.3f} | {r['cpu_ms'] / base:.2f}x |" for r in res["rows"]]
 
 
 def run_loop(args) -> dict:
@@ -296,7 +316,8 @@ def loop_table(res: dict) -> list[str]:
 
 MODES = {"gpu": (run_gpu, gpu_table, lambda r: f"{r['case']}, {r['optimizer']}", "ms"),
          "host": (run_host, host_table, lambda r: r["step"], "ms"),
-         "stub_launch": (run_stub_launch, stub_table, lambda r: f"{r['tensors']} tensors", "host_ms"),
+         "stub_launch": (run_stub_launch, stub_table, lambda r: f"{r['tensors']} tensors, {r.get('mode', 'step()')}",
+                        "host_ms"),
          "loop": (run_loop, loop_table, lambda r: r["variant"], "step")}
 
 

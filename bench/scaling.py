@@ -6,6 +6,7 @@ memory profiler at 7B and 13B. Run through bench/device_env.sh (wheels, path, NC
     bash bench/device_env.sh python bench/scaling.py compile --preset 7b --mb 6 --runs bf16_compiled coat_compiled
     bash bench/device_env.sh python bench/scaling.py profile p7b_zero3 p13b_fsdp2 train7b_fsdp2 --limit 420
     torchrun --nproc_per_node 2 bench/scaling.py fsdp-memory --preset 1b --micro-batch 4
+    bash bench/device_env.sh python bench/scaling.py fit --preset 7b --sides coat:2,4 coat_sib:4,8 --steps 20
 
 deepspeed: train.py with each ds_configs/<name>.json (micro-batch --micro per GPU), then the
 table (tokens/s: median over logged windows after the first; peak memory and optimizer state:
@@ -14,7 +15,11 @@ one micro-batch, BF16 + torch AdamW and COAT (CoatAdamW + FP8 activations), eage
 --compile; ratios against BF16 eager (tokens/s of the last window). profile: `python -m
 coat_ds.profile` (ZeRO-3 or FSDP2, coat_zero3 against bf16_zero3; each side in its own
 processes) or a few train.py steps. fsdp-memory: torch AdamW vs CoatAdamW vs CoatAdamW + FP8
-activations under FSDP2 in the same processes (also on CPU with gloo, tiny presets).
+activations under FSDP2 in the same processes (also on CPU with gloo, tiny presets). fit: on one
+GPU, each side (SIDE:MB,MB,...) at growing micro-batches until one fails, train.py on random
+tokens of a 32000 vocabulary: bf16 (torch AdamW, FSDP2 at world size 1, compiled), coat (FP8
+linears + activations + CoatAdamW, compiled), coat_sib (coat with --step-in-backward), offload
+(DeepSpeed ZeRO-2, BF16, torch AdamW on the CPU); the largest micro-batch that ran and its tokens/s.
 Each run's log and metrics go to --out; the table is printed last.
 """
 from __future__ import annotations
@@ -200,6 +205,69 @@ def fsdp_memory(args) -> list[str]:
         f"{r['optimizer_state_gb']:.3f} | {r['peak_gb']:.2f} | {r['loss']:.4f} |" for r in rows]
 
 
+FIT_SIDES = {
+    "bf16": ["--fsdp", "--compile"],
+    "coat": ["--fsdp", "--compile", "--compress-activations", "--fp8-linear"],
+    "coat_sib": ["--fsdp", "--compile", "--compress-activations", "--fp8-linear", "--step-in-backward"],
+    "offload": [],
+}
+
+
+def fit_json(side: str, micro: int) -> str:
+    if side != "offload":
+        return with_micro_batch("bf16_zero3" if side == "bf16" else "coat_zero3", micro)
+    cfg = json.load(open(C.ROOT / "ds_configs" / "bf16_zero2.json"))
+    cfg["train_micro_batch_size_per_gpu"] = micro
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    cfg["optimizer"]["params"] = {**cfg["optimizer"]["params"], "torch_adam": True, "fused": False}
+    cfg["zero_force_ds_cpu_optimizer"] = False
+    path = os.path.join(tempfile.gettempdir(), f"coat_bench_offload_mb{micro}.json")
+    json.dump(cfg, open(path, "w"), indent=2)
+    return path
+
+
+def token_file(vocab: int, n: int) -> str:
+    path = os.path.join(tempfile.gettempdir(), f"coat_bench_tokens_{vocab}.bin")
+    if not os.path.exists(path):
+        torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(0), dtype=torch.int32).to(
+            torch.uint16).numpy().tofile(path)
+    return path
+
+
+def run_fit(args) -> list[str]:
+    data = token_file(32000, 8_000_000)
+    rows = []
+    for spec in args.sides:
+        side, mbs = spec.split(":")
+        ran = None
+        for mb in map(int, mbs.split(",")):
+            name = f"fit_{side}_mb{mb}"
+            metrics = os.path.join(args.out, name + ".jsonl")
+            common = ["train.py", "--deepspeed", fit_json(side, mb), "--preset", args.preset, "--data", data,
+                      "--seq-len", str(args.seq), "--max-steps", str(args.steps), "--warmup-steps", "2",
+                      "--log-interval", "1", "--eval-interval", "0", "--eval-batches", "1", "--metrics-file", metrics]
+            launcher = ([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", "29513"]
+                        if side == "offload" else [sys.executable])
+            t0 = time.time()
+            code = launch([*launcher, *common, *FIT_SIDES[side]], os.path.join(args.out, name + ".log"), args.limit)
+            logs = [m for m in map(json.loads, open(metrics)) if "tokens_per_s" in m] if os.path.isfile(metrics) else []
+            print(f"{name}: exit {code}, {len(logs)} logged steps ({time.time() - t0:.0f} s)", flush=True)
+            if code != 0 or not logs:
+                rows.append((side, ran, f"mb {mb}: exit {code}"))
+                break
+            ran = (mb, statistics.median([m["tokens_per_s"] for m in logs[2:]] or [logs[-1]["tokens_per_s"]]),
+                   max(m["peak_mem_gb"] for m in logs), logs[0]["loss"], logs[-1]["loss"], logs[-1]["step"])
+        else:
+            rows.append((side, ran, ""))
+    lines = [f"{args.preset}, seq {args.seq}, vocab 32000, one GPU, {args.steps} steps per try",
+             "| side | largest micro-batch run | tokens/s (median after 2 steps) | peak GB | loss first -> last (steps) "
+             "| stopped at |", "|---|---|---|---|---|---|"]
+    for side, ran, stop in rows:
+        lines.append(f"| {side} | none | | | | {stop} |" if ran is None else
+                     f"| {side} | {ran[0]} | {ran[1]:,.0f} | {ran[2]:.1f} | {ran[3]:.3f} -> {ran[4]:.3f} ({ran[5]}) | {stop} |")
+    return lines
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -227,10 +295,15 @@ def main(argv=None) -> None:
     f.add_argument("--steps", type=int, default=10)
     f.add_argument("--warmup", type=int, default=3)
     f.add_argument("--variants", nargs="+", default=["adamw", "coat", "coat_act"], choices=["adamw", "coat", "coat_act"])
-    for q in (d, c, p):
+    t = sub.add_parser("fit", help="one GPU: the largest micro-batch of each side, train.py on 32000-token data")
+    t.add_argument("--preset", default="7b")
+    t.add_argument("--sides", nargs="+", default=["bf16:1", "coat:2,4", "coat_sib:4,8", "offload:4"],
+                   help="SIDE:MB,MB,... with SIDE one of " + ", ".join(FIT_SIDES))
+    t.add_argument("--steps", type=int, default=20)
+    for q in (d, c, p, t):
         q.add_argument("--seq", type=int, default=2048)
         q.add_argument("--limit", type=float, default=170, help="seconds per run")
-    for q in (d, c, p, f):
+    for q in (d, c, p, f, t):
         q.add_argument("--out", default=None, help="folder for logs, metrics and the table (default runs/<command>)")
     args = ap.parse_args(argv)
     if args.cmd == "summary":
@@ -238,7 +311,8 @@ def main(argv=None) -> None:
     args.out = os.path.abspath(args.out or os.path.join("runs", args.cmd))
     os.makedirs(args.out, exist_ok=True)
     print(C.header() + f", {ngpu()} GPUs", flush=True)
-    run = {"deepspeed": run_deepspeed, "compile": run_compile, "profile": run_profile, "fsdp-memory": fsdp_memory}
+    run = {"deepspeed": run_deepspeed, "compile": run_compile, "profile": run_profile, "fsdp-memory": fsdp_memory,
+           "fit": run_fit}
     lines = run[args.cmd](args)
     C.finish(args, args.cmd, lines, lines)
 

@@ -59,7 +59,7 @@ def test_script_imports_and_answers_help(name, capsys):
 
 
 @pytest.mark.parametrize("argv, rows", [
-    (["bench/optim_step.py", "--stub-launch", "--iters", "5"], 1),
+    (["bench/optim_step.py", "--stub-launch", "--iters", "5"], 2),
     (["bench/optim_step.py", "--host", "--numel", "65536", "--iters", "2", "--no-ds", "--fallback"], 2),
     (["bench/optim_step.py", "--loop", "--tiny"], 3),
     (["bench/activations.py", "--tiny"], 2),
@@ -79,8 +79,8 @@ def test_optim_step_ab_runs_each_tree_in_turn(tmp_path):
     out = _run("bench/optim_step.py", "--stub-launch", "--iters", "3", "--tree", ROOT, "--rounds", "1",
                "--out", str(tmp_path))
     rows = json.loads((tmp_path / "optim_stub_launch_ab.json").read_text())
-    assert [r["tree"] for r in rows] == ["other", "this"]
-    assert _last_table(out)[2].startswith("| 219 tensors |")
+    assert [r["tree"] for r in rows] == ["other", "other", "this", "this"]  # step() and step_in_backward
+    assert _last_table(out)[2].startswith("| 219 tensors, step() |")
 
 
 def test_parity_seeds_run_apart_then_summary(tmp_path):

@@ -250,3 +250,35 @@ def test_without_the_end_of_backward_callback_step_finishes_the_job(monkeypatch)
         _train(b, ob, _batches(2))
     assert sum("queue_callback" in str(w.message) for w in caught) == 1
     _same_params(a, b)
+
+
+@pytest.mark.gpu
+def test_cuda_side_stream_equals_step_and_frees_the_gradients():
+    """On a GPU the update runs on a side stream through the Triton kernel, with clipping:
+    the same parameters as step() with the same coefficients, and after backward the
+    allocator holds >= 3.9 bytes per parameter less than the normal mode."""
+    a = _llama().cuda()
+    b = copy.deepcopy(a)
+    oa = CoatAdamW(a.parameters(), **OPT)
+    ob = CoatAdamW(b.parameters(), step_in_backward=True, max_grad_norm=0.5, **OPT)
+    coef = torch.tensor(1.0, device="cuda")
+    held = {}
+    for i, x in enumerate(_batches(4)):
+        x = x.cuda()
+        for model, opt in ((a, oa), (b, ob)):
+            loss = _loss(model, x)
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            loss.backward()
+            torch.cuda.synchronize()
+            held[opt is ob] = torch.cuda.memory_allocated() - before
+            if opt is oa:
+                for p in model.parameters():
+                    p.grad.mul_(coef)
+            opt.step()
+            opt.zero_grad()
+        coef = (0.5 / (ob.last_grad_norm() + 1e-6)).clamp(max=1.0)
+    assert float(coef) < 1.0
+    _same_params(a, b)
+    numel = sum(p.numel() for p in a.parameters())
+    assert held[False] - held[True] >= 3.9 * numel, (held, numel)

@@ -67,7 +67,8 @@ class InBackward:
         self.opt = optimizer
         self.max_grad_norm = max_grad_norm
         self.handles: dict[int, object] = {}
-        self.group_of: dict[int, int] = {}
+        self.info: dict[int, tuple[int, int]] = {}  # id(param) -> (param group index, local numel)
+        self.deferred: set[int] = set()  # param groups with nonfinite="raise"
         self.pending: dict[int, list] = defaultdict(list)
         self.pending_numel = 0
         self.in_backward = False  # a callback is queued for the running backward
@@ -81,11 +82,15 @@ class InBackward:
         for p in params:
             if p.requires_grad and id(p) not in self.handles:
                 self.handles[id(p)] = p.register_post_accumulate_grad_hook(self._ready)
-            self.group_of[id(p)] = group_index
-        if self.opt.param_groups[group_index]["nonfinite"] == "raise":
+            self.info[id(p)] = (group_index, local_tensor(p).numel())
+        self._find_deferred()
+        if group_index in self.deferred:
             warnings.warn("CoatAdamW(step_in_backward=True): param groups with nonfinite='raise' are stepped in "
                           "step(), where every gradient is checked first: their gradients are kept until then",
                           RuntimeWarning, stacklevel=4)
+
+    def _find_deferred(self) -> None:
+        self.deferred = {i for i, g in enumerate(self.opt.param_groups) if g["nonfinite"] == "raise"}
 
     def remove_hooks(self) -> None:
         for handle in self.handles.values():
@@ -95,16 +100,17 @@ class InBackward:
     # -- during backward ------------------------------------------------------------------
 
     def _ready(self, p: torch.Tensor) -> None:
+        # Runs once per parameter and backward: kept to a few dict and attribute reads.
         if self.accumulating or p.grad is None:
             return
-        gi = self.group_of[id(p)]
-        if self.opt.param_groups[gi]["nonfinite"] == "raise":
+        gi, numel = self.info[id(p)]
+        if gi in self.deferred:
             return
         if not self.in_backward:
             self._check_world(p)
             self.in_backward = queue_backward_callback(self.end_of_backward, _NO_CALLBACK)
         self.pending[gi].append(p)
-        self.pending_numel += local_tensor(p).numel()
+        self.pending_numel += numel
         if self.pending_numel >= BUCKET_NUMEL:
             self.flush()
 
@@ -137,8 +143,7 @@ class InBackward:
         work, self.pending, self.pending_numel = self.pending, defaultdict(list), 0
         params = [p for ps in work.values() for p in ps]
         grads = [p.grad for p in params]
-        plain = [g for g in grads if not isinstance(g, DTensor)]
-        stream = self._stream(plain) if len(plain) == len(grads) else None
+        stream = self._stream(grads) if grads[0].is_cuda and not any(isinstance(g, DTensor) for g in grads) else None
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(stream.device))
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
@@ -199,6 +204,7 @@ class InBackward:
         for device, stream in self.streams.items():
             torch.cuda.current_stream(device).wait_stream(stream)
         self.in_backward = False
+        self._find_deferred()  # a group's option may have been changed between steps
         total = self._global_sumsq()
         self.sumsq = {}
         if total is None:
