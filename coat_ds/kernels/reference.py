@@ -26,8 +26,10 @@ __all__ = [
     "act_dequantize_tensor",
     "act_quantize_rows",
     "act_dequantize_rows",
+    "linear_scale_exponent",
     "linear_finite_absmax",
     "linear_quantize",
+    "linear_dequantize",
 ]
 
 
@@ -299,6 +301,15 @@ def act_dequantize_rows(codes: torch.Tensor, exps: torch.Tensor, group_size: int
 
 
 # ---- FP8 linear layers: twins of kernels/fp8_linear.py (owned by the FP8-linear code) ------
+#
+# A GEMM's FP8 input uses the whole format: its max takes the top code, and the codes have
+# no inf (saved activations do: kernels/act_quant.py).
+
+
+def linear_scale_exponent(amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """Smallest e with amax * 2**-e <= fmt.max, clamped to [-126, 126] (int32), read from
+    amax's bits: both formats' maxima are 1.75 * 2**E."""
+    return scale_exponent(amax.to(torch.float32).contiguous(), fmt).clamp_(-126, 126)
 
 
 def linear_finite_absmax(x: torch.Tensor, split: int = 0) -> torch.Tensor:
@@ -337,7 +348,7 @@ def linear_quantize(x: torch.Tensor, fmt="e4m3", rowwise: bool = True, transpose
     The transposed copy is what a GEMM that contracts over M (the weight gradient) reads.
     `split`: how the max is reduced (linear_finite_absmax); it does not change the result."""
     fmt = get_format(fmt)
-    e = act_scale_exponent(linear_finite_absmax(x, split), fmt) if exp is None else exp.to(torch.int32).reshape(())
+    e = linear_scale_exponent(linear_finite_absmax(x, split), fmt) if exp is None else exp.to(torch.int32).reshape(())
     # A saturating cast (clamp, then torch's RNE cast) equals encode_fp8 on every non-NaN
     # value, and compiles to one Inductor kernel without encode_fp8's integer sign fix-up.
     codes = (_exact_scaling_dtype(x) * pow2(-e)).clamp(-fmt.max, fmt.max).to(fmt.dtype).view(torch.uint8)
@@ -349,3 +360,11 @@ def linear_quantize(x: torch.Tensor, fmt="e4m3", rowwise: bool = True, transpose
             codes_t = torch.nn.functional.pad(codes_t, (0, pad - m % pad))
         codes_t = codes_t.contiguous()
     return (codes if rowwise else None), codes_t, e
+
+
+def linear_dequantize(codes: torch.Tensor, exp: torch.Tensor, fmt="e4m3",
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Values of `linear_quantize`'s codes at exponent `exp`, in `dtype` (clamped to its
+    finite range: the max rounds up at the top of the fp16 range, 65504 -> 65536)."""
+    out_max = torch.finfo(dtype).max
+    return (decode_fp8(codes, get_format(fmt)) * pow2(exp)).clamp_(-out_max, out_max).to(dtype)
