@@ -3,6 +3,8 @@ graphs, what those graphs keep as it is, the partitioner's recomputation, FSDP2,
 shapes, and the graph cache."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -144,6 +146,37 @@ def test_compiled_rows_not_a_multiple_of_the_group_size(device):
     want = grads(False, False)
     eager, compiled = sqnr_db(want, grads(True, False)), sqnr_db(want, grads(True, True))
     assert eager > 35 and compiled > 35, (eager, compiled)
+
+
+class _Exp(torch.nn.Module):
+    def forward(self, x):
+        return (x.sin() * 3).exp().sum()
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_eager_hooks_and_compiled_graphs_store_the_same_codes(backend, monkeypatch):
+    # One codec: the FP8 copy a compiled graph stores of a saved value is the one the eager
+    # hooks make of it, codes and exponents alike. Rows of 40 make groups that span rows.
+    # Eagerly sin saves x (kept exact here only by keep_region_leaf_inputs) and exp its
+    # output; a compiled graph saves either, or recomputes exp from x.
+    from coat_ds.activation import packing
+
+    made, init = [], packing.FP8Saved.__init__
+    monkeypatch.setattr(packing.FP8Saved, "__init__", lambda self, *a: init(self, *a) or made.append(self))
+    m, x = _Exp(), torch.randn(8, 40, requires_grad=True)
+    handle = coat_ds.compress_activations(m, config=dataclasses.replace(CFG, keep_region_leaf_inputs=False))
+    try:
+        m(x)
+        compiled = _graph_saved(torch.compile(m, backend=backend)(x))
+    finally:
+        handle.remove()
+        torch._dynamo.reset()
+    assert len(made) == 2 and all(s.exps.shape == (20,) for s in made)
+    codes = [t for t in compiled if t.dtype == torch.uint8]
+    exps = [t for t in compiled if t.dtype == torch.int8]
+    assert len(codes) == len(exps) >= 1
+    for c, e in zip(codes, exps):
+        assert any(torch.equal(c, s.codes) and torch.equal(e, s.exps) for s in made)
 
 
 @pytest.mark.gpu

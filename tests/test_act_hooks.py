@@ -432,8 +432,9 @@ def test_restored_tensors_keep_their_strides_and_group_along_stride_one():
     m(a, w).sum().backward()
     saved = [out for t, out in seen if isinstance(out, FP8Saved)]
     assert len(saved) == 1
-    # Groups run along the stride-1 dim (64 long): 48 rows of 4 groups of 16.
-    assert saved[0].exps.shape == (48, 4)
+    # Quantized in memory order (48 rows of 64 along the stride-1 dim): groups of 16
+    # consecutive elements in memory, 4 per row.
+    assert saved[0].codes.shape == (48, 64) and saved[0].exps.shape == (48 * 4,)
     want = (2 * a).detach().t().sum(0)
     assert sqnr_db(want, w.grad) > 28
 

@@ -151,8 +151,8 @@ def test_cpu_launches_never_warn(monkeypatch):
     x = torch.randn(64, 32)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        codes, exps = aq.quantize_rows(x)
-        aq.dequantize_rows(codes, exps)
+        codes, exps = aq.quantize_groups(x)
+        aq.dequantize_groups(codes, exps)
     assert _runtime_warnings(record) == []
 
 

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from coat_ds.kernels import AdamWHyper, AdamWSlot, QuantizedGroups, fp8, get_ops, ops, reference as R
+from coat_ds.kernels import AdamWHyper, AdamWSlot, QuantizedGroups, act_codec as A, fp8, get_ops, ops, reference as R
 from coat_ds.kernels.act_ops import get_act_ops
 from coat_ds.kernels.ops import get_linear_ops
 from coat_ds.linear.layer import fp8_gemm_available
@@ -50,8 +50,8 @@ def _adamw_args(quant: bool):
 def _cases():
     x = _x(6, 80)
     qg = R.quantize_groups(x, G, "e4m3")
-    codes, exp = R.act_quantize_tensor(x, "e5m2")
-    rcodes, exps = R.act_quantize_rows(x, 16, "e4m3")
+    codes, exp = A.quantize_tensor(x, "e5m2")
+    rcodes, exps = A.quantize_groups(x, 16, "e4m3")
     return {
         "quantize_groups": (x, G, "e4m3", True),
         "dequantize_groups": (*qg, G, "e4m3", torch.bfloat16),
@@ -97,10 +97,10 @@ def _equal(a, b) -> bool:
     ("quantize_groups", lambda x, g, f, d: tuple(R.quantize_groups(x, g, f, d))),
     ("dequantize_groups", lambda c, ce, k, s, g, f, dt: R.dequantize_groups(QuantizedGroups(c, ce, k, s), g, f, dt)),
     ("cast_fp8", R.cast_fp8),
-    ("act_quantize_tensor", R.act_quantize_tensor),
-    ("act_dequantize_tensor", R.act_dequantize_tensor),
-    ("act_quantize_rows", R.act_quantize_rows),
-    ("act_dequantize_rows", R.act_dequantize_rows),
+    ("act_quantize_tensor", A.quantize_tensor),
+    ("act_dequantize_tensor", A.dequantize_tensor),
+    ("act_quantize_rows", A.quantize_groups),
+    ("act_dequantize_rows", A.dequantize_groups),
 ])
 def test_cpu_kernel_is_the_reference(name, ref):
     args = _cases()[name]

@@ -13,7 +13,8 @@ What to keep exact is decided by the same policy as eagerly (policy.py), from fa
 the forward and backward graphs. A compressed value is quantized per group (group_size
 consecutive elements, the non-linear inputs' granularity) whatever op saved it: a graph's
 saved value does not say which op it feeds. Tensors are quantized in memory order and come
-back with their strides; the codec is kernels/graph_codec.py, written for Inductor."""
+back with their strides; the codec is kernels/act_codec.py, the eager hooks' too (their
+codes and exponents are the same for the same tensor), written for what Inductor makes of it."""
 from __future__ import annotations
 
 import hashlib
@@ -27,7 +28,7 @@ from .._compat import torch as compat_torch
 from .._compat.torch import (HAS_SAVED_TENSOR_HOOK_CONTEXT, has_functorch_option, saved_tensor_hook_context,
                              static_input_indices)
 from ..config import ActivationConfig
-from ..kernels import fp8, graph_codec, reference
+from ..kernels import act_codec, fp8, reference
 from ..kernels.fp8 import get_format
 from .packing import memory_order
 from .policy import KEEP, SKIP, Policy
@@ -67,7 +68,7 @@ def _stands_for_a_hook(x):
 def code_hash(config: ActivationConfig) -> str:
     """What the traced pack/unpack depend on: this code and the config."""
     h = hashlib.sha256(repr(config).encode())
-    for path in (*sorted(Path(__file__).parent.glob("*.py")), Path(graph_codec.__file__), Path(reference.__file__),
+    for path in (*sorted(Path(__file__).parent.glob("*.py")), Path(act_codec.__file__), Path(reference.__file__),
                  Path(fp8.__file__), Path(compat_torch.__file__)):
         h.update(path.read_bytes())
     return h.hexdigest()
@@ -214,11 +215,11 @@ class TracedCodec:
                                   dense_order=perm is not None, linear_input=False, **_saved_value_facts())
         if kind is SKIP or kind is KEEP or not x.is_contiguous():
             return t  # a view with gaps: the eager path copies it; a graph rarely saves one
-        codes, exps = graph_codec.graph_quantize(x, self.group_size, self.fmt)
+        codes, exps = act_codec.quantize_groups(x, self.group_size, self.fmt)
         inverse = tuple(perm.index(d) for d in range(len(perm))) if perm else ()
         return TRACED_TAG, codes, exps, t.dtype, inverse
 
     def unpack(self, packed) -> torch.Tensor:
         _, codes, exps, dtype, inverse = packed
-        x = graph_codec.graph_dequantize(codes, exps, self.group_size, self.fmt, dtype)
+        x = act_codec.dequantize_groups(codes, exps, self.group_size, self.fmt, dtype)
         return x.permute(inverse) if inverse else x

@@ -93,7 +93,7 @@ class ActivationConfig:
     Attributes:
         linear_input_format: FP8 format of linear-layer inputs (per-tensor scale)
         other_format: FP8 format of every other saved float (per-group scales)
-        group_size: elements per scaling group along the last (memory-contiguous) dim
+        group_size: elements per scaling group: consecutive elements in memory order (stride-1 dim first)
         per_tensor_linear_inputs: linear inputs get one scale per tensor (False: per group)
         min_numel: saved tensors with fewer elements are kept as they are
         keep_region_leaf_inputs: region inputs without grad_fn (held by the caller) stay uncompressed

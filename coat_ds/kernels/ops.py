@@ -24,6 +24,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from .act_codec import num_groups
 from .fp8 import use_triton
 from .layout import AdamWHyper, AdamWSlot, QuantizedGroups, group_layout
 
@@ -33,7 +34,8 @@ __all__ = ["Kernels", "kernels_for", "torch_kernels", "triton_kernels", "get_lin
 @dataclass(frozen=True)
 class Kernels:
     """One backend's kernels, each with the signature of its reference twin in reference.py
-    (`linear_quantize*`: linear_ops.get_linear_ops's; `prepare_adamw_step`: a step prepared
+    (activations' `quantize_*`/`dequantize_*`: act_codec.py's; `quantize_rows` quantizes
+    per group of G consecutive elements; `linear_quantize*`: linear_ops.get_linear_ops's; `prepare_adamw_step`: a step prepared
     once for fixed tensors, or None where the per-tensor work dwarfs the Python around it)."""
 
     name: str
@@ -56,12 +58,12 @@ _TABLES: dict = {}
 def torch_kernels() -> Kernels:
     table = _TABLES.get("torch")
     if table is None:
-        from . import host, linear_ops, reference as R
+        from . import act_codec as A, host, linear_ops, reference as R
 
         table = _TABLES["torch"] = Kernels(
             "torch", R.quantize_groups, R.dequantize_groups, R.cast_fp8,
             host.adamw_step,  # the reference, chunked on host tensors, or the C++ step: see host.py
-            None, R.act_quantize_tensor, R.act_dequantize_tensor, R.act_quantize_rows, R.act_dequantize_rows,
+            None, A.quantize_tensor, A.dequantize_tensor, A.quantize_groups, A.dequantize_groups,
             linear_ops._torch_quantize, linear_ops._opaque_twin)
     return table
 
@@ -73,8 +75,8 @@ def triton_kernels() -> Kernels:
 
         table = _TABLES["triton"] = Kernels(
             "triton", quantize.quantize_groups, quantize.dequantize_groups, quantize.cast_fp8, adamw.adamw_step,
-            adamw.PreparedStep, act_quant.quantize_tensor, act_quant.dequantize_tensor, act_quant.quantize_rows,
-            act_quant.dequantize_rows, linear_ops._custom_quantize, linear_ops._custom_quantize)
+            adamw.PreparedStep, act_quant.quantize_tensor, act_quant.dequantize_tensor, act_quant.quantize_groups,
+            act_quant.dequantize_groups, linear_ops._custom_quantize, linear_ops._custom_quantize)
     return table
 
 
@@ -196,8 +198,8 @@ def _act_quantize_rows(k: Kernels, x: Tensor, group_size: int, fmt: str) -> tupl
 
 
 def _act_quantize_rows_fake(x, group_size, fmt):
-    return x.new_empty(x.shape, dtype=torch.uint8), x.new_empty(group_layout(x.shape, group_size).meta_shape,
-                                                                 dtype=torch.int8)
+    return (x.new_empty(x.shape, dtype=torch.uint8),
+            x.new_empty((num_groups(x.numel(), group_size),), dtype=torch.int8))
 
 
 def _act_dequantize_rows(k: Kernels, codes: Tensor, exps: Tensor, group_size: int, fmt: str,

@@ -21,13 +21,10 @@ __all__ = [
     "quantize_groups",
     "dequantize_groups",
     "adamw_step",
-    "act_scale_exponent",
-    "act_quantize_tensor",
-    "act_dequantize_tensor",
-    "act_quantize_rows",
-    "act_dequantize_rows",
+    "linear_scale_exponent",
     "linear_finite_absmax",
     "linear_quantize",
+    "linear_dequantize",
 ]
 
 
@@ -226,79 +223,16 @@ def _group_bias_corrections(hyper: AdamWHyper, skips, shape, device) -> tuple[to
     return step_size, inv_bc2_sqrt
 
 
-# ---- Activation quantization: twins of kernels/act_quant.py -------------------------------
+# ---- FP8 linear layers: twins of kernels/fp8_linear.py (owned by the FP8-linear code) ------
 #
-# Non-finite values pass through exactly: scales come from the finite values only, and
-# three codes no finite value is written as stand for them. Both formats saturate below
-# 0x7F, so 0x7F is +inf and 0xFF -inf; 0x80 (-0) is NaN, which is why a finite value that
-# rounds to zero is written as +0 (the sign of a zero is the one thing not kept).
-
-ACT_POS_INF, ACT_NEG_INF, ACT_NAN = 0x7F, 0xFF, 0x80
+# A GEMM's FP8 input uses the whole format: its max takes the top code, and the codes have
+# no inf (saved activations do: kernels/act_codec.py).
 
 
-def act_scale_exponent(amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+def linear_scale_exponent(amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     """Smallest e with amax * 2**-e <= fmt.max, clamped to [-126, 126] (int32), read from
     amax's bits: both formats' maxima are 1.75 * 2**E."""
     return scale_exponent(amax.to(torch.float32).contiguous(), fmt).clamp_(-126, 126)
-
-
-def _finite_abs(xf: torch.Tensor) -> torch.Tensor:
-    """|x| where finite, else 0: what scales are computed from."""
-    a = xf.abs()
-    return torch.where(a < float("inf"), a, 0.0)
-
-
-def _act_encode(y: torch.Tensor, x: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
-    """Codes of the scaled values `y` of float32 `x`, non-finite values as their own codes."""
-    codes = encode_fp8(y, fmt)
-    codes = torch.where(codes == ACT_NAN, 0, codes)
-    codes = torch.where(x == float("inf"), ACT_POS_INF, codes)
-    codes = torch.where(x == float("-inf"), ACT_NEG_INF, codes)
-    return torch.where(torch.isnan(x), ACT_NAN, codes).to(torch.uint8)
-
-
-def _act_decode(codes: torch.Tensor, e: torch.Tensor, fmt: Fp8Format, dtype: torch.dtype) -> torch.Tensor:
-    """float32 values, clamped to `dtype`'s finite range (rounding up at the top of that
-    range, fp16 65504 -> 65536, must not turn a finite input into inf), then the
-    non-finite codes."""
-    out_max = torch.finfo(dtype).max
-    x = (decode_fp8(codes, fmt) * pow2(e)).clamp_(-out_max, out_max)
-    x = torch.where(codes == ACT_POS_INF, float("inf"), x)
-    x = torch.where(codes == ACT_NEG_INF, float("-inf"), x)
-    return torch.where(codes == ACT_NAN, float("nan"), x)
-
-
-def act_quantize_tensor(x: torch.Tensor, fmt="e4m3") -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-tensor FP8 with a power-of-two scale: (uint8 codes, int32 exponent e of shape ())."""
-    fmt = get_format(fmt)
-    xf = x.to(torch.float32)
-    amax = _finite_abs(xf).amax() if x.numel() else xf.new_zeros(())
-    e = act_scale_exponent(amax, fmt)
-    return _act_encode(xf * pow2(-e), xf, fmt), e
-
-
-def act_dequantize_tensor(codes: torch.Tensor, exp: torch.Tensor, fmt="e4m3",
-                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return _act_decode(codes, exp, get_format(fmt), dtype).to(dtype)
-
-
-def act_quantize_rows(x: torch.Tensor, group_size: int = 16, fmt="e4m3") -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-group FP8 along the last dim, one power-of-two scale per group:
-    (uint8 codes shaped like x, int8 exponents of shape (rows, ceil(cols / G)))."""
-    fmt = get_format(fmt)
-    xg = _grouped(x, group_size).to(torch.float32)
-    e = act_scale_exponent(_finite_abs(xg).amax(-1), fmt)
-    codes = _act_encode(xg * pow2(-e)[..., None], xg, fmt)
-    return _ungrouped(codes, x.shape).contiguous(), e.to(torch.int8)
-
-
-def act_dequantize_rows(codes: torch.Tensor, exps: torch.Tensor, group_size: int = 16, fmt="e4m3",
-                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    x = _act_decode(_grouped(codes, group_size), exps.to(torch.int32)[..., None], get_format(fmt), dtype)
-    return _ungrouped(x, codes.shape).to(dtype).contiguous()
-
-
-# ---- FP8 linear layers: twins of kernels/fp8_linear.py (owned by the FP8-linear code) ------
 
 
 def linear_finite_absmax(x: torch.Tensor, split: int = 0) -> torch.Tensor:
@@ -337,7 +271,7 @@ def linear_quantize(x: torch.Tensor, fmt="e4m3", rowwise: bool = True, transpose
     The transposed copy is what a GEMM that contracts over M (the weight gradient) reads.
     `split`: how the max is reduced (linear_finite_absmax); it does not change the result."""
     fmt = get_format(fmt)
-    e = act_scale_exponent(linear_finite_absmax(x, split), fmt) if exp is None else exp.to(torch.int32).reshape(())
+    e = linear_scale_exponent(linear_finite_absmax(x, split), fmt) if exp is None else exp.to(torch.int32).reshape(())
     # A saturating cast (clamp, then torch's RNE cast) equals encode_fp8 on every non-NaN
     # value, and compiles to one Inductor kernel without encode_fp8's integer sign fix-up.
     codes = (_exact_scaling_dtype(x) * pow2(-e)).clamp(-fmt.max, fmt.max).to(fmt.dtype).view(torch.uint8)
@@ -349,3 +283,11 @@ def linear_quantize(x: torch.Tensor, fmt="e4m3", rowwise: bool = True, transpose
             codes_t = torch.nn.functional.pad(codes_t, (0, pad - m % pad))
         codes_t = codes_t.contiguous()
     return (codes if rowwise else None), codes_t, e
+
+
+def linear_dequantize(codes: torch.Tensor, exp: torch.Tensor, fmt="e4m3",
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Values of `linear_quantize`'s codes at exponent `exp`, in `dtype` (clamped to its
+    finite range: the max rounds up at the top of the fp16 range, 65504 -> 65536)."""
+    out_max = torch.finfo(dtype).max
+    return (decode_fp8(codes, get_format(fmt)) * pow2(exp)).clamp_(-out_max, out_max).to(dtype)

@@ -137,7 +137,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             if need_dx:
                 dx = (gy @ weight_or_codes.to(gy.dtype)).to(ctx.x_dtype)
             if need_dw:
-                x_hat = reference.act_dequantize_tensor(xq_t[:, :ctx.m], ex, f_in, gy.dtype)
+                x_hat = reference.linear_dequantize(xq_t[:, :ctx.m], ex, f_in, gy.dtype)
                 dw = (gy.t() @ x_hat.t()).to(ctx.w_dtype)
         if dx is not None:
             dx = dx.view(ctx.x_shape)
