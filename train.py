@@ -20,6 +20,7 @@ for both engines (the FSDP engine ignores its ZeRO section).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -37,7 +38,7 @@ import yaml
 from coat_ds import Fp8LinearConfig, compress_activations, convert_to_fp8_linear
 from coat_ds.io.checkpoint_folders import check_new_checkpoints
 from coat_ds.train.data import DataConfig, TokenData, batch_seed, load_data
-from coat_ds.config.ds_json import load_ds_config
+from coat_ds.config.ds_json import gradient_clipping, load_ds_config
 from coat_ds.integrations.engine_setup import clipping_off_note, read_ds_settings, shutdown_distributed
 from coat_ds.integrations.deepspeed.engine import comm_op_build_note, single_process_world
 from coat_ds.train.metrics import MetricsLog
@@ -128,17 +129,22 @@ def setup_fsdp_engine(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
     ds = read_ds_settings(cfg.deepspeed, dist.get_world_size())
     # As under DeepSpeed's bf16: FP32 master weights and optimizer, BF16 compute, FP32 reduction.
     model = setup_fsdp(model, mode=cfg.fsdp_mode, param_dtype=torch.bfloat16 if ds.bf16 else None)
-    optim = build_optimizer(ds, model.parameters())
+    # Stepping in backward, CoatAdamW clips itself (the gradients are gone once backward ends).
+    in_backward = dict(step_in_backward=True, max_grad_norm=ds.clip or None) if cfg.step_in_backward else {}
+    optim = build_optimizer(ds, model.parameters(), **in_backward)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: lr_factor(cfg, s))
     micro_steps = 0
 
     def train_micro_step(x, y):
         nonlocal micro_steps
-        loss = model(x, y)
-        (loss / ds.grad_accum).backward()  # the mean over the accumulated micro-batches, as DeepSpeed does
         micro_steps += 1
-        if micro_steps % ds.grad_accum == 0:
-            if ds.clip:
+        last = micro_steps % ds.grad_accum == 0
+        loss = model(x, y)
+        # Before the last micro-batch, backward only accumulates: the step runs in the last one's.
+        with optim.accumulating() if in_backward and not last else contextlib.nullcontext():
+            (loss / ds.grad_accum).backward()  # the mean over the accumulated micro-batches, as DeepSpeed does
+        if last:
+            if ds.clip and not in_backward:
                 clip_grad_norm_(model, ds.clip)
             optim.step()
             optim.zero_grad(set_to_none=True)
@@ -256,10 +262,21 @@ def first_step_note(cfg: TrainConfig, runner: Runner) -> str:
     return " (the first step also loads CoatAdamW's C++ host step, built with g++ once per machine: 5-16 s)"
 
 
+def step_in_backward_note(cfg: TrainConfig) -> str | None:
+    """The log line saying that CoatAdamW steps in backward and how it clips, else None."""
+    if not cfg.step_in_backward:
+        return None
+    clip = gradient_clipping(load_ds_config(cfg.deepspeed))
+    clipping = (f"gradient_clipping {clip:g}: clipping with the previous step's global norm (the first step is not "
+                "clipped)" if clip else "no clipping")
+    return ("step in backward: ON: CoatAdamW steps each parameter as soon as FSDP2 has reduce-scattered its "
+            f"gradient and frees that gradient; {clipping}")
+
+
 def settings_lines(cfg: TrainConfig) -> list[str]:
     """What the run will do, printed first (before the process group and its op build)."""
     lines = ["resolved config:\n" + yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False), checkpoint_plan(cfg)]
-    return lines + [line for line in [clipping_off_note(cfg.deepspeed)] if line]
+    return lines + [line for line in [clipping_off_note(cfg.deepspeed), step_in_backward_note(cfg)] if line]
 
 
 def train(cfg: TrainConfig) -> None:

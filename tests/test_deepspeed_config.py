@@ -200,3 +200,19 @@ def test_string_micro_batch_is_refused_naming_the_key_before_deepspeed():
         cfg[key] = "4"
         with pytest.raises(ConfigError, match=f"{key}: got '4' \\(str\\); allowed: an integer >= 1"):
             coat_ds.deepspeed_initialize(model=torch.nn.Linear(2, 2), config=cfg)
+
+
+def test_step_in_backward_is_refused_by_deepspeed_initialize_naming_the_key_and_fsdp2():
+    import coat_ds
+
+    model = torch.nn.Linear(2, 2)
+    for kwargs, named in ((dict(config=_cfg(step_in_backward=True)), "optimizer.params.step_in_backward=true"),
+                          (dict(config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}},
+                                optimizer=CoatAdamW(model.parameters(), step_in_backward=True)),
+                           "CoatAdamW(step_in_backward=True)")):
+        with pytest.raises(ValueError) as err:
+            coat_ds.deepspeed_initialize(model=model, **kwargs)
+        msg = str(err.value)
+        assert named in msg and "ZeRO" in msg and "FSDP2" in msg and "--fsdp" in msg, msg
+    # Off, as by default, the same JSON key is accepted.
+    assert prepare_config(_cfg(step_in_backward=False))[1] == {"lr": 1e-3, "step_in_backward": False}

@@ -109,8 +109,9 @@ def optimizer_settings(ds: dict, path: str, engine: str = "fsdp") -> tuple[str, 
     return found
 
 
-def build_optimizer(settings: DsTrainSettings, params) -> torch.optim.Optimizer:
-    return OPTIMIZERS[settings.optimizer_type](params, **settings.optimizer_params)
+def build_optimizer(settings: DsTrainSettings, params, **overrides) -> torch.optim.Optimizer:
+    """The JSON's optimizer over `params`, `overrides` replacing keyword arguments of its params."""
+    return OPTIMIZERS[settings.optimizer_type](params, **{**settings.optimizer_params, **overrides})
 
 
 def optimizer_state_bytes(optim: torch.optim.Optimizer) -> int:

@@ -63,6 +63,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile each decoder block (FP8 activations then compiled into its graphs)
     fp8_linear: bool = False  # FP8 GEMMs in the blocks' linear layers (coat_ds.convert_to_fp8_linear; head kept)
     fp8_keep_weight_codes: bool = False  # with fp8_linear: backward reads forward's FP8 weight (+1 byte per weight element held; under fsdp or ZeRO-3 every gathered layer's)
+    step_in_backward: bool = False  # CoatAdamW steps each parameter in backward and frees its gradient (FSDP2 only; the JSON's optimizer.params "step_in_backward": true turns it on too)
     plan: str = ""  # planner's JSON: per block keep / fp8 / fp8_linear / recompute (coat_ds.apply_plan; "": none)
     memory_budget_gb: float = 0.0  # search a plan at start that fits this many GB per rank (0: none)
 
@@ -91,6 +92,7 @@ class TrainConfig:
         boolean("compile", self.compile)
         boolean("fp8_linear", self.fp8_linear)
         boolean("fp8_keep_weight_codes", self.fp8_keep_weight_codes)
+        boolean("step_in_backward", self.step_in_backward)
         if self.fp8_keep_weight_codes and not self.fp8_linear:
             raise ConfigError("fp8_keep_weight_codes", True, "off unless fp8_linear is on (it is an option of its layers)")
         text("plan", self.plan)
@@ -213,7 +215,31 @@ def parse_config(argv: list[str], description: str | None = None) -> TrainConfig
         # compiled blocks recompile and break on them (3x slower than eager on CPU).
         raise SystemExit(f"compile: not with ZeRO stage 3 under the DeepSpeed engine ({cfg.deepspeed}); "
                          "use --fsdp (FSDP2 shards the same way) or ZeRO stage 1/2")
-    return cfg
+    return _resolve_step_in_backward(cfg, ds, origin.get("step_in_backward", "settings"))
+
+
+def _resolve_step_in_backward(cfg: TrainConfig, ds, origin: str) -> TrainConfig:
+    """`step_in_backward` on when the YAML/flag or the JSON's `optimizer.params` says so (the
+    resolved config then shows it), refused where CoatAdamW cannot step in backward."""
+    in_json = ds.optimizer_params.get("step_in_backward") is True
+    if not (cfg.step_in_backward or in_json):
+        return cfg
+    where = f"{cfg.deepspeed} (optimizer.params.step_in_backward)" if in_json else origin
+    if ds.optimizer_type != "CoatAdamW":
+        raise SystemExit(f"{where}: step_in_backward needs CoatAdamW; {cfg.deepspeed} names optimizer.type "
+                         f"{ds.optimizer_type!r}")
+    if cfg.engine == "deepspeed":
+        raise SystemExit(f"{where}: step_in_backward is not supported by the DeepSpeed engine: ZeRO copies each "
+                         "gradient into its own buckets and reduces it after the parameter's hook, the one point "
+                         "where CoatAdamW could step; use --fsdp (FSDP2)")
+    if cfg.fsdp_mode == "fsdp1":
+        raise SystemExit(f"{where}: step_in_backward is not supported with --fsdp-mode fsdp1: FSDP1 reduces "
+                         "gradients after the parameter's hook fires, so each rank would step its own gradient; "
+                         "use --fsdp-mode fsdp2 (its hook fires after reduce-scatter)")
+    if "max_grad_norm" in ds.optimizer_params:
+        raise SystemExit(f"{cfg.deepspeed}: optimizer.params.max_grad_norm: not read by train.py; its "
+                         "gradient_clipping sets the clipping of both engines")
+    return dataclasses.replace(cfg, step_in_backward=True)
 
 
 def checkpoint_plan(cfg: TrainConfig) -> str:

@@ -97,6 +97,12 @@ def prepare_config(config) -> tuple[dict, dict | None]:
     return ds, kwargs
 
 
+_NO_STEP_IN_BACKWARD = (
+    "is not supported under the DeepSpeed engine: ZeRO stage 1, 2 and 3 copy each gradient into the engine's own "
+    "buckets from the parameter's hook and reduce it into its partition buffers later, so there is no reduced "
+    "gradient for CoatAdamW to step on in backward (DeepSpeed 0.19.8 has no per-bucket reduce hook for a client "
+    "optimizer). Set it false here, or train with FSDP2 (train.py --fsdp, coat_ds.setup_fsdp), where it works")
+
 # What torchrun and the deepspeed launcher set in every process they start.
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # What MPI launchers set instead (Open MPI, MPICH / Intel MPI, PMIx, MVAPICH); DeepSpeed turns
@@ -187,6 +193,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, *, 
     if isinstance(config, (str, os.PathLike)):
         config = find_ds_config(config)  # `ds_configs/<name>.json` from any directory
     ds_config, coat_kwargs = prepare_config(config)
+    if coat_kwargs is not None and coat_kwargs.get("step_in_backward"):
+        raise ValueError(f"DeepSpeed config: optimizer.params.step_in_backward=true {_NO_STEP_IN_BACKWARD}")
+    if isinstance(optimizer, CoatAdamW) and optimizer.step_in_backward:
+        raise ValueError(f"{OPTIMIZER_TYPE}(step_in_backward=True) passed as optimizer= {_NO_STEP_IN_BACKWARD}")
     if coat_kwargs is not None:
         if optimizer is not None:
             raise ValueError(f"the DeepSpeed config names {OPTIMIZER_TYPE} and an optimizer was passed too; keep one")
