@@ -9,6 +9,10 @@ The step's peak (CUDA: `max_memory_allocated` over forward, backward and optimiz
 CPU: resident bytes + the tracker's peak over forward and backward) and its time (median of
 timed steps, perf_counter after a device synchronize) are read for the whole model. The
 fixed part (parameters, gradients, optimizer state) is read from the tensors themselves.
+
+An optimizer that steps in backward (CoatAdamW(step_in_backward=True)) is measured doing
+so: its gradients are gone after backward, and the measured peaks hold what it holds during
+backward. In the fixed part its gradients are `in_backward_grad_bytes`, the most it can hold.
 """
 from __future__ import annotations
 
@@ -24,14 +28,15 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._compat.torch import activation_memory_budget
-from ..memory import meter_for, resident_bytes, unique_storage_bytes
+from ..memory import local_tensor, meter_for, resident_bytes, unique_storage_bytes
+from ..optim import in_backward
 from ..optim.state import state_bytes, state_tensors
 from .apply import ApplyConfig, apply_plan
 from .layers import decoder_layers, training_loss, vocab_size_of
 from .measurements import ChoiceRun, MeasureConfig, Measurements
 from .plan import Plan
 
-__all__ = ["measure_choices", "measure_plan"]
+__all__ = ["measure_choices", "measure_plan", "in_backward_grad_bytes", "steps_in_backward"]
 
 
 def _sync(device: torch.device) -> None:
@@ -44,6 +49,26 @@ def _first_tensor(args, kwargs):
         if torch.is_tensor(x):
             return x
     return None
+
+
+def steps_in_backward(optimizer) -> bool:
+    """The optimizer steps each parameter in backward and frees its gradient there."""
+    return bool(getattr(optimizer, "step_in_backward", False))
+
+
+def in_backward_grad_bytes(params) -> int:
+    """The most gradient bytes CoatAdamW(step_in_backward=True) holds during one backward
+    over `params` (this rank's shards): ready gradients wait in a bucket that is stepped once
+    it reaches `in_backward.BUCKET_NUMEL` elements, so at most BUCKET_NUMEL - 1 elements plus
+    the parameter that fills it, and never more than every gradient. Gradients the
+    optimizer keeps for step() (nonfinite="raise" groups) are left after backward and
+    measured there."""
+    sizes = [(local_tensor(p).numel(), local_tensor(p).element_size()) for p in params if p.requires_grad]
+    if not sizes:
+        return 0
+    total = sum(n * e for n, e in sizes)
+    widest = max(e for _, e in sizes)
+    return min(total, (in_backward.BUCKET_NUMEL - 1) * widest + max(n * e for n, e in sizes))
 
 
 class _LayerBytes:
@@ -117,6 +142,10 @@ class _Session:
         self.autocast = self.device.type == "cuda" if config.autocast is None else config.autocast
         self.snapshot = [p.detach().to("cpu", copy=True) for p in self.params]
         self.opt = optimizer_factory(self.params)
+        # Accumulated micro-batches hold every gradient until the last one's backward: an
+        # optimizer that would step in backward is measured holding them.
+        self.hold_grads = config.grad_accumulation > 1 and steps_in_backward(self.opt)
+        self.stepped_in_backward = steps_in_backward(self.opt) and not self.hold_grads
         self.layer_bytes = _LayerBytes(self.layers)
         self.gen = torch.Generator().manual_seed(config.seed)
         self.grads_bytes = 0
@@ -130,8 +159,12 @@ class _Session:
         with ctx:
             return self.loss_fn(self.model, batch_ids)
 
+    def backward(self, loss: torch.Tensor) -> None:
+        with self.opt.accumulating() if self.hold_grads else contextlib.nullcontext():
+            loss.backward()
+
     def step(self, batch: int) -> None:
-        self.forward(self.ids(batch)).backward()
+        self.backward(self.forward(self.ids(batch)))
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
@@ -157,7 +190,7 @@ class _Session:
             with eager:
                 loss = self.forward(x)
                 held = hooks.stop()
-                loss.backward()
+                self.backward(loss)
                 del loss
             self.grads_bytes = unique_storage_bytes(p.grad for p in self.params)
             if device.type != "cuda":
@@ -189,6 +222,12 @@ class _Session:
 
     def close(self) -> None:
         self.layer_bytes.remove()
+        # An optimizer that steps in backward hooks the parameters, and the hooks keep it
+        # alive: left on, the dropped optimizer would go on stepping the model in every
+        # later backward (CoatAdamW has no public call to take them off yet).
+        in_bwd = getattr(self.opt, "_in_backward", None)
+        if in_bwd is not None:
+            in_bwd.remove_hooks()
         with torch.no_grad():
             for p, s in zip(self.params, self.snapshot):
                 p.copy_(s)
@@ -249,8 +288,10 @@ def measure_choices(model: nn.Module, optimizer_factory: Callable, *, config: Me
         s.close()
     grad_bytes = tuple(sum(p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad)
                        for layer in s.layers)
+    stepped = s.stepped_in_backward
     return Measurements(tuple(s.fqns), config.seq_len, str(s.device), meter_for(s.device).kind,
-                        unique_storage_bytes(s.params), s.grads_bytes, opt_bytes, tuple(runs), grad_bytes)
+                        unique_storage_bytes(s.params), s.grads_bytes, opt_bytes, tuple(runs), grad_bytes,
+                        stepped, in_backward_grad_bytes(s.params) if stepped else 0)
 
 
 def measure_plan(model: nn.Module, plan: Plan, optimizer_factory: Callable, *, config: MeasureConfig | None = None,

@@ -29,6 +29,10 @@ class MeasureConfig:
     autocast: bool | None = None  # BF16 autocast around forward; None: on CUDA only
     seed: int = 0  # token ids of the measured steps
     compile_budgets: tuple[float, ...] = ()  # torch.compile activation-memory budgets measured beside torch's own
+    # Micro-batches per optimizer step of the run planned for. Above 1, an optimizer that steps
+    # in backward (CoatAdamW(step_in_backward=True)) is measured inside `accumulating()`: the
+    # run holds every gradient across its micro-batches, so the plan must too.
+    grad_accumulation: int = 1
 
     def __post_init__(self):
         if not isinstance(self.seq_len, int) or self.seq_len < 1:
@@ -57,6 +61,10 @@ class MeasureConfig:
             raise ValueError(f"MeasureConfig.compile_budgets: got {self.compile_budgets!r}; allowed: distinct "
                              "numbers in [0, 1]")
         object.__setattr__(self, "compile_budgets", tuple(float(b) for b in budgets))
+        if not isinstance(self.grad_accumulation, int) or isinstance(self.grad_accumulation, bool) \
+                or self.grad_accumulation < 1:
+            raise ValueError(f"MeasureConfig.grad_accumulation: got {self.grad_accumulation!r}; allowed: an "
+                             "integer >= 1")
 
 
 @dataclass(frozen=True)
@@ -80,14 +88,20 @@ class Measurements:
     device: str  # where it was measured
     meter: str  # what the byte figures come from
     params_bytes: int  # parameters (distinct storages)
-    grads_bytes: int  # gradients after backward
+    grads_bytes: int  # gradients after backward (stepped in backward: only raise-mode groups' are left)
     optimizer_state_bytes: int  # optimizer state but step counters, after steps
     runs: tuple[ChoiceRun, ...]  # one per measured choice and micro-batch
     layer_grad_bytes: tuple[int, ...]  # per layer: bytes of its parameters' gradients (allocated as backward passes it)
+    # The measured optimizer stepped each parameter in backward and freed its gradient
+    # (CoatAdamW(step_in_backward=True), no gradient accumulation).
+    step_in_backward: bool = False
+    # With step_in_backward: the most gradient bytes held during backward (in_backward_grad_bytes:
+    # one bucket plus the largest parameter's gradient, at most every gradient); else 0.
+    in_backward_grad_bytes: int = 0
 
     @property
     def fixed_bytes(self) -> int:
-        return self.params_bytes + self.grads_bytes + self.optimizer_state_bytes
+        return self.params_bytes + self.grads_bytes + self.in_backward_grad_bytes + self.optimizer_state_bytes
 
     @property
     def choices(self) -> tuple[str, ...]:

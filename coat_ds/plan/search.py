@@ -15,6 +15,10 @@ largest j); step_base is the all-base run's step time and seconds_i(c, b) the al
 step time above it shared equally by the layers. Each is a line in b through the two
 measured micro-batches (one measured: proportional to b); the peak is never below `fixed`.
 
+Measured with an optimizer that steps in backward (Measurements.step_in_backward), `fixed`
+holds, for gradients, only the most that optimizer holds during backward (one bucket plus
+the largest parameter's gradient), and grads_0..j is 0: no gradient waits to be allocated.
+
 The search is exact for this model: per micro-batch and per set of choices allowed, a dynamic
 programme over layers keeps every (prefix bytes, seconds) point not beaten on both (a Pareto
 front); a recomputed layer's condition is a cap on the prefix where it is chosen, so the
@@ -73,7 +77,10 @@ class CostModel:
         b1, b2 = batches[0], batches[-1]
         n = len(m.layers)
         base = choices[0]
-        grads = tuple(float(g) for g in m.layer_grad_bytes)
+        # Stepped in backward, a layer's gradients are freed as soon as they are complete:
+        # none wait in the fixed part to be taken off before backward reaches their layer
+        # (what it holds during backward, at most, is in the fixed part: in_backward_grad_bytes).
+        grads = tuple(0.0 if m.step_in_backward else float(g) for g in m.layer_grad_bytes)
 
         def fit(f):
             return _line(b1, f(b1), b2, f(b2))

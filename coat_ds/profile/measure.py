@@ -3,7 +3,9 @@
 - weights: distinct storages of the engine's parameters (local shards / flat partitions) and
   FP32 master copies;
 - gradients: distinct storages of the engine's gradient tensors and buffers, read right
-  after backward (where they peak; ZeRO frees its partitions in the step);
+  after backward (where they peak; ZeRO frees its partitions in the step). An optimizer that
+  steps in backward has freed them by then; the most it holds during backward is recorded
+  apart (`in_backward_gradient_bytes`) and counted in the sum of components;
 - optimizer states: every state tensor of the optimizer but the step counter, after a step;
 - activations: (a) the hooks' exact accounting of what autograd saves for backward (COAT: the
   compression ledger; baseline: a counting hook with the same rules), and (b) the meter (CUDA
@@ -22,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..memory import meter_for, resident_bytes, saved_tensor_bytes, unique_storage_bytes
+from ..plan.measure import in_backward_grad_bytes, steps_in_backward
 from .trainee import Trainee
 
 __all__ = ["ActivationPoint", "SideMeasurement", "measure_side", "train_step", "random_batch"]
@@ -52,10 +55,13 @@ class SideMeasurement:
     gradients_bytes: int  # gradient tensors and buffers after backward
     optimizer_state_bytes: int  # moment state after a step (no step counters)
     points: tuple[ActivationPoint, ...]  # the measured steps, smaller batch first: two, or one where the larger did not fit
+    # Optimizer stepping in backward: the most gradient bytes it holds during backward (one
+    # bucket plus the largest parameter's gradient, at most every gradient); else 0.
+    in_backward_gradient_bytes: int = 0
 
     @property
     def fixed_bytes(self) -> int:
-        return self.weights_bytes + self.gradients_bytes + self.optimizer_state_bytes
+        return self.weights_bytes + self.gradients_bytes + self.in_backward_gradient_bytes + self.optimizer_state_bytes
 
     @property
     def activation_slope(self) -> float:
@@ -75,7 +81,8 @@ class SideMeasurement:
         return self.activation_intercept + self.activation_slope * batch
 
     def components_total(self, batch: int) -> float:
-        """Weights + gradients + optimizer states + activations of `batch` sequences."""
+        """Weights + gradients (stepped in backward: the most held during it) + optimizer
+        states + activations of `batch` sequences."""
         return self.fixed_bytes + self.activations_at(batch)
 
     @property
@@ -101,7 +108,7 @@ class SideMeasurement:
     @classmethod
     def from_dict(cls, d: dict) -> "SideMeasurement":
         """Back from `to_dict` (the JSON's per-rank entries): to re-run the budget test offline."""
-        names = [f for f in cls.__dataclass_fields__ if f != "points"]
+        names = [f for f in cls.__dataclass_fields__ if f != "points" and f in d]  # older files lack defaulted ones
         return cls(**{k: d[k] for k in names}, points=tuple(ActivationPoint(**p) for p in d["points"]))
 
     def predicted_step_total(self, batch: int) -> float:
@@ -236,9 +243,12 @@ def measure_side(trainee: Trainee, batches: tuple[int, int], seq_len: int, vocab
             measured = _measured_step(trainee, b, seq_len, vocab, seed)
         point, grads = measured
         points.append(point)
+    opt = trainee.optimizer()
+    in_bwd = in_backward_grad_bytes(p for g in opt.param_groups for p in g["params"]) \
+        if steps_in_backward(opt) else 0
     return SideMeasurement(
         side=name, rank=rank, meter=meter_for(trainee.device).kind,
         weights_bytes=unique_storage_bytes(trainee.weight_tensors()),
         gradients_bytes=grads,
         optimizer_state_bytes=trainee.optimizer_state_bytes(),
-        points=tuple(points))
+        points=tuple(points), in_backward_gradient_bytes=in_bwd)

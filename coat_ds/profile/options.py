@@ -40,6 +40,7 @@ class ProfileOptions:
     compile: bool = False  # --plan: torch.compile each decoder block before measuring
     compile_budgets: tuple[float, ...] = ()  # --plan --compile: torch.compile activation-memory budgets measured too
     fp8_linear: bool = False  # COAT side: FP8 linears (convert_to_fp8_linear) before the activation hooks
+    step_in_backward: bool = False  # COAT side (and --plan): CoatAdamW(step_in_backward=True), gradients freed in backward
 
     def __post_init__(self):
         if self.engine not in ENGINES:
@@ -79,6 +80,9 @@ class ProfileOptions:
                              "compiles a graph)")
         object.__setattr__(self, "compile_budgets",
                            MeasureConfig(compile_budgets=self.compile_budgets).compile_budgets)
+        if self.step_in_backward and self.engine == "deepspeed":
+            raise ValueError("--step-in-backward needs --engine none or fsdp: DeepSpeed reduces gradients after "
+                             "the hook that would step them")
         if self.plan and self.fp8_linear:
             raise ValueError("--fp8-linear is for the two-side comparison; with --plan, give the choice "
                              "fp8_linear in --choices")
@@ -128,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(0..1) and let the plan pick one")
     p.add_argument("--fp8-linear", action="store_true",
                    help="COAT side: FP8 linear layers (convert_to_fp8_linear) as well as FP8 activations")
+    p.add_argument("--step-in-backward", action="store_true",
+                   help="COAT side (and --plan): CoatAdamW(step_in_backward=True) steps each parameter in backward "
+                        "and frees its gradient there (engines none and fsdp; docs/profiler.md)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     return p
 
@@ -145,7 +152,7 @@ def parse_options(argv: list[str] | None = None) -> ProfileOptions:
                               throughput_steps=a.throughput_steps, seed=a.seed, side=a.side,
                               isolate=not a.in_process, nproc=a.nproc, plan=a.plan, choices=tuple(a.choices),
                               vocab_size=a.vocab_size, compile=a.compile, fp8_linear=a.fp8_linear,
-                              compile_budgets=tuple(a.compile_budgets))
+                              compile_budgets=tuple(a.compile_budgets), step_in_backward=a.step_in_backward)
     except ValueError as e:  # a bad value is a usage error: argparse's message and exit status 2
         p.error(str(e))
 
@@ -161,4 +168,6 @@ def child_argv(opts: ProfileOptions, side: str, out: str) -> list[str]:
         argv += ["--seq-len", str(opts.seq_len)]
     if opts.fp8_linear:
         argv.append("--fp8-linear")
+    if opts.step_in_backward:
+        argv.append("--step-in-backward")
     return argv

@@ -49,7 +49,9 @@ def plan_tables(result: dict) -> str:
                      f"{_pct(r['predicted_peak_bytes'], r['peak_bytes'])} | {r['predicted_step_s'] * 1e3:.1f} | "
                      f"{r['step_s'] * 1e3:.1f} | {_pct(r['predicted_step_s'], r['step_s'])} | "
                      f"{r['tokens_per_s']:,.0f} |")
-    lines += ["", f"Budget {result['budget_bytes'] / 1e9:.3f} GB per rank; fixed part (parameters, gradients, "
+    grads = ("gradients held during backward by an optimizer stepping there"
+             if result["measurements"].get("step_in_backward") else "gradients")
+    lines += ["", f"Budget {result['budget_bytes'] / 1e9:.3f} GB per rank; fixed part (parameters, {grads}, "
               f"optimizer state) {result['fixed_bytes'] / 1e9:.4f} GB; every row trains with the same optimizer "
               f"({result['optimizer']}). Meter: {result['meter']}."]
     return "\n".join(lines)
@@ -57,7 +59,7 @@ def plan_tables(result: dict) -> str:
 
 def profile_plan(opts, mcfg, seq_len: int, device: torch.device, budget: float, say) -> dict:
     """The --plan run, one process; writes DIR/plan.json, DIR/plan_report.json and .md."""
-    coat = load_side("coat", opts.config)
+    coat = load_side("coat", opts.config, step_in_backward=opts.step_in_backward)
     torch.manual_seed(opts.seed)
     with torch.device(device):
         model = Llama(mcfg)
@@ -123,7 +125,8 @@ def profile_plan(opts, mcfg, seq_len: int, device: torch.device, budget: float, 
                  for i, fqn in enumerate(chosen.layers)]
     result = {"plan": plan.to_dict(), "seq_len": seq_len, "budget_bytes": budget, "fixed_bytes": m.fixed_bytes,
               "choices": list(chosen.choices), "per_layer": per_layer, "rows": rows, "meter": m.meter,
-              "optimizer": f"CoatAdamW from {coat.config_path}", "measurements": m.to_dict()}
+              "optimizer": f"CoatAdamW{'(step_in_backward=True)' if coat.step_in_backward else ''} from "
+                           f"{coat.config_path}", "measurements": m.to_dict()}
     table = plan_tables(result)
     result["markdown"] = table
     print("\n" + table, flush=True)

@@ -34,6 +34,7 @@ def markdown_table(result: dict) -> str:
     for name in ("baseline", "coat"):
         side = result["sides"][name]
         label = f"{name} + FP8 linears" if side.get("fp8_linear") else name
+        label += ", steps in backward" if side.get("step_in_backward") else ""
         for r in side["ranks"]:
             p = r["points"][-1]
             tps = side.get("tokens_per_s")
@@ -52,7 +53,16 @@ def markdown_table(result: dict) -> str:
                  f"activations per sample {ratios['activations_per_sample']:.3f}x, "
                  f"max micro-batch {_ratio(ratios['max_micro_batch'])}. Memory in GB (1e9 bytes), per rank; "
                  f"budget {_gb(result['budget_bytes'])} GB ({result['search']}). Meter: {result['meter']}.")
+    lines += [_in_backward_note(name, result["sides"][name]) for name in ("baseline", "coat")
+              if result["sides"][name].get("step_in_backward")]
     return "\n".join(lines)
+
+
+def _in_backward_note(name: str, side: dict) -> str:
+    held = max(r.get("in_backward_gradient_bytes", 0) for r in side["ranks"])
+    return (f"{name}: gradients are stepped in backward (CoatAdamW(step_in_backward=True)) and freed there: the "
+            f"gradients column is what is held after backward; during it at most {_gb(held)} GB (one bucket plus "
+            "the largest parameter's gradient), counted in the sum of components and the budget test.")
 
 
 def write_json(result: dict, path: str) -> None:

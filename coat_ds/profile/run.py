@@ -91,7 +91,8 @@ def _tokens_per_s(trainee, batch: int, seq_len: int, steps: int, world: int, see
 
 def _load_sides(opts: ProfileOptions) -> dict:
     sides = {"baseline": load_side("baseline", opts.baseline),
-             "coat": load_side("coat", opts.config, fp8_linear=opts.fp8_linear)}
+             "coat": load_side("coat", opts.config, fp8_linear=opts.fp8_linear,
+                               step_in_backward=opts.step_in_backward)}
     if sides["baseline"].is_coat or not sides["coat"].is_coat:
         raise ValueError("--config must name CoatAdamW and --baseline another optimizer (BF16 + torch AdamW)")
     return sides
@@ -183,7 +184,8 @@ def _measure_and_search(opts: ProfileOptions, side, mcfg, seq_len: int, device: 
         # Charged to this side: its engine buffers and its max micro-batch are then off.
         say(f"[{key}] WARNING: {resident_at_start / 1e9:.3f} GB from the previous side is still allocated; "
             "this side's engine buffers, peak and max micro-batch include it")
-    say(f"[{key}] building ({opts.engine}, {side.config_path}{', FP8 linears' if side.fp8_linear else ''})")
+    extras = (", FP8 linears" if side.fp8_linear else "") + (", steps in backward" if side.step_in_backward else "")
+    say(f"[{key}] building ({opts.engine}, {side.config_path}{extras})")
     rebuild()
     m = measure_side(holder["t"], opts.measure_batches, seq_len, VOCAB, opts.seed, rank, say)
     if device.type == "cuda":
@@ -210,7 +212,8 @@ def _measure_and_search(opts: ProfileOptions, side, mcfg, seq_len: int, device: 
         rebuild()  # an engine interrupted mid-backward may be unusable
     close()
     say(f"[{key}] max micro-batch {best}")
-    return {"config": side.config_path, "fp8_linear": side.fp8_linear, "ranks": _gather(m.to_dict()),
+    return {"config": side.config_path, "fp8_linear": side.fp8_linear, "step_in_backward": side.step_in_backward,
+            "ranks": _gather(m.to_dict()),
             "max_micro_batch": best,
             "trials": [t.__dict__ for t in trials], "tokens_per_s": tps, "resident_at_start_bytes": resident_at_start}
 

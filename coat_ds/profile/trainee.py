@@ -23,7 +23,7 @@ from ..models.llama import Llama, ModelConfig
 from ..optim import CoatAdamW
 from ..optim.state import state_bytes
 
-__all__ = ["Side", "load_side", "Trainee", "build_trainee"]
+__all__ = ["Side", "load_side", "Trainee", "InBackwardTrainee", "build_trainee"]
 
 
 @dataclass(frozen=True)
@@ -41,11 +41,18 @@ class Side:
         """COAT = CoatAdamW + FP8 activation compression; anything else is the BF16 baseline."""
         return self.coat_kwargs is not None
 
+    @property
+    def step_in_backward(self) -> bool:
+        """CoatAdamW steps each parameter in backward and frees its gradient there."""
+        return bool(self.coat_kwargs and self.coat_kwargs.get("step_in_backward"))
 
-def load_side(name: str, path: str, fp8_linear: bool = False) -> Side:
+
+def load_side(name: str, path: str, fp8_linear: bool = False, step_in_backward: bool = False) -> Side:
+    """`step_in_backward`: CoatAdamW(step_in_backward=True) whatever the JSON says (a JSON
+    may also set it in its optimizer params)."""
     kind, params = optimizer_settings(load_ds_config(path), path)
     if kind == "CoatAdamW":
-        return Side(name, path, params, {}, fp8_linear)
+        return Side(name, path, {**params, "step_in_backward": True} if step_in_backward else params, {}, fp8_linear)
     # The baseline picks its AdamW implementation by device (fused on CUDA).
     return Side(name, path, None, {k: v for k, v in params.items() if k != "fused"})
 
@@ -159,6 +166,41 @@ class PlainTrainee(Trainee):
         return self.opt
 
 
+class InBackwardTrainee(Trainee):
+    """One process without an engine, CoatAdamW stepping in backward: its hooks fire on the
+    tensors autograd fills, so the optimizer steps the model's own FP32 parameters, computed
+    in BF16 under autocast (no BF16 copy beside FP32 masters, as PlainTrainee keeps), and
+    each FP32 gradient is freed once stepped."""
+
+    def __init__(self, side: Side, model: nn.Module, device: torch.device):
+        super().__init__(side, model, device)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.opt = _make_optimizer(side, self.params, device)
+
+    def forward(self, idx, targets):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+            return self.model(idx, targets)
+
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self):
+        self.opt.step()  # closes the step: what is left in the last bucket, clipping state
+        self.zero_grad()
+
+    def zero_grad(self):
+        self.opt.zero_grad(set_to_none=True)
+
+    def weight_tensors(self):
+        return list(self.params)
+
+    def grad_tensors(self):
+        return [p.grad for p in self.params]
+
+    def optimizer(self):
+        return self.opt
+
+
 class DeepSpeedTrainee(Trainee):
     engine = "deepspeed"
 
@@ -252,4 +294,6 @@ def build_trainee(engine: str, side: Side, mcfg: ModelConfig, device: torch.devi
     torch.manual_seed(seed)  # identical initial weights on every rank and for both sides
     with torch.device(device):  # initialise on the GPU: a 7B model's CPU init takes minutes
         model = Llama(mcfg)
+    if engine == "none" and side.step_in_backward:
+        return InBackwardTrainee(side, model, device)
     return _TRAINEES[engine](side, model, device)
