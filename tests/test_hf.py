@@ -205,8 +205,18 @@ def _plain_deepspeed() -> dict:
     ids = torch.stack([r["input_ids"] for r in _dataset()[:2]])
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     engine.step()
+    # DeepSpeed builds the registered CoatAdamW itself here, past deepspeed_initialize's check:
+    # the optimizer refuses at the first hook, before any update.
+    cfg["optimizer"]["params"]["step_in_backward"] = True
+    sib_model = _model()
+    sib, *_ = deepspeed.initialize(model=sib_model, model_parameters=sib_model.parameters(), config=cfg)
+    try:
+        sib.backward(sib(input_ids=ids, labels=ids).loss)
+        refused = ""
+    except RuntimeError as e:
+        refused = str(e)
     return {"before_registration": before, "coat": coat_optimizer(engine) is not None,
-            "steps": [float(s["step"]) for s in coat_optimizer(engine).state.values()]}
+            "steps": [float(s["step"]) for s in coat_optimizer(engine).state.values()], "sib_refused": refused}
 
 
 def worker(out: str) -> None:
@@ -251,6 +261,7 @@ def test_plain_deepspeed_initialize_after_registration(ranks):
     for r in ranks:
         assert "CoatAdamW is not a supported DeepSpeed Optimizer" in r["plain"]["before_registration"]
         assert r["plain"]["coat"] and r["plain"]["steps"] == [1.0]
+        assert "CoatAdamW(step_in_backward=True)" in r["plain"]["sib_refused"], r["plain"]["sib_refused"]
 
 
 @pytest.mark.slow

@@ -160,6 +160,13 @@ class CoatAdamW(torch.optim.Optimizer):
         finally:
             ib.accumulating = before
 
+    def remove_backward_hooks(self) -> None:
+        """With step_in_backward: take this optimizer's hooks off its parameters (before
+        dropping it while the model lives on). Later backward passes only accumulate; step()
+        steps what they leave."""
+        if self._in_backward is not None:
+            self._in_backward.remove_hooks()
+
     def last_grad_norm(self) -> torch.Tensor | None:
         """With step_in_backward and max_grad_norm: the global norm of the last closed step's
         gradients before clipping (a 0-d tensor on the device; reading it syncs), else None."""

@@ -108,6 +108,7 @@ class InBackward:
             return
         if not self.in_backward:
             self._check_world(p)
+            self._check_owned(p, gi)
             self.in_backward = queue_backward_callback(self.end_of_backward, _NO_CALLBACK)
         self.pending[gi].append(p)
         self.pending_numel += numel
@@ -123,6 +124,13 @@ class InBackward:
                 f"CoatAdamW(step_in_backward=True) got a plain tensor gradient in a world of {dist.get_world_size()} "
                 "ranks: DDP, FSDP1 and DeepSpeed reduce gradients after the hook that would step it, so each rank "
                 "would apply its own. Shard the model with FSDP2 (fully_shard), or use step_in_backward=False")
+
+    def _check_owned(self, p: torch.Tensor, gi: int) -> None:
+        if not any(q is p for q in self.opt.param_groups[gi]["params"]):
+            raise RuntimeError(
+                "CoatAdamW(step_in_backward=True): a hooked parameter is no longer in its param group: an engine "
+                "(DeepSpeed ZeRO) replaced the groups' parameters with its own flat partitions and reduces the "
+                "gradients after this hook. step_in_backward works in one process or under FSDP2 (fully_shard)")
 
     def end_of_backward(self) -> None:
         self.in_backward = False

@@ -224,10 +224,9 @@ class _Session:
         self.layer_bytes.remove()
         # An optimizer that steps in backward hooks the parameters, and the hooks keep it
         # alive: left on, the dropped optimizer would go on stepping the model in every
-        # later backward (CoatAdamW has no public call to take them off yet).
-        in_bwd = getattr(self.opt, "_in_backward", None)
-        if in_bwd is not None:
-            in_bwd.remove_hooks()
+        # later backward.
+        if hasattr(self.opt, "remove_backward_hooks"):
+            self.opt.remove_backward_hooks()
         with torch.no_grad():
             for p, s in zip(self.params, self.snapshot):
                 p.copy_(s)

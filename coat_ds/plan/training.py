@@ -17,22 +17,27 @@ from .verify import search_verified
 __all__ = ["plan_for_run"]
 
 
-def _optimizer_factory(ds_settings):
+def _optimizer_factory(ds_settings, in_backward: bool):
+    # The run's optimizer as train.py builds it: with step_in_backward its gradients are
+    # freed in backward, which the measured peaks then show.
+    overrides = dict(step_in_backward=True, max_grad_norm=ds_settings.clip or None) if in_backward else {}
+
     def build(params):
         try:
-            return build_optimizer(ds_settings, params)
+            return build_optimizer(ds_settings, params, **overrides)
         except KeyError:  # a DeepSpeed-only optimizer (FusedAdam, ...): AdamW's FP32 moments are its size
             return torch.optim.AdamW(params, lr=0.0)
 
     return build
 
 
-def _searched(model: nn.Module, budget_gb: float, ds_settings, seq_len: int, say) -> Plan:
+def _searched(model: nn.Module, budget_gb: float, ds_settings, seq_len: int, say, in_backward: bool) -> Plan:
     mb = ds_settings.micro_batch
-    config = MeasureConfig(seq_len=seq_len, batches=(max(1, mb // 2), mb) if mb > 1 else (1, 2), timed_steps=2)
+    config = MeasureConfig(seq_len=seq_len, batches=(max(1, mb // 2), mb) if mb > 1 else (1, 2), timed_steps=2,
+                           grad_accumulation=ds_settings.grad_accum)
     say(f"planning for {budget_gb} GB per rank at micro-batch {mb}: measuring {', '.join(config.choices)} "
         f"at micro-batches {config.batches}")
-    factory = _optimizer_factory(ds_settings)
+    factory = _optimizer_factory(ds_settings, in_backward)
     m = measure_choices(model, factory, config=config, say=say)
 
     def measure(p: Plan) -> tuple[float, float]:
@@ -64,7 +69,7 @@ def plan_for_run(cfg, model: nn.Module, ds_settings, say=print) -> Plan:
         except ValueError as e:
             raise SystemExit(f"--plan: {e}") from None
     elif rank == 0:
-        box[0] = _searched(model, cfg.memory_budget_gb, ds_settings, cfg.seq_len, say)
+        box[0] = _searched(model, cfg.memory_budget_gb, ds_settings, cfg.seq_len, say, cfg.step_in_backward)
     if not cfg.plan and dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)
     plan = box[0]
