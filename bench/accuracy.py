@@ -53,6 +53,7 @@ VARIANTS = {
     "coat_act": "CoatAdamW + FP8 activations",
     "coat_fp8": "CoatAdamW + FP8 activations + FP8 linears",
     "coat_fp8_e4m3g": "CoatAdamW + FP8 activations + FP8 linears, E4M3 output gradients",
+    "coat_fp8_sib": "coat_fp8 stepping in backward, clipped with the previous step's norm",
     # A negative control, not run by default: per-group absmax FP8 moments without DRE. It
     # shows that the parity measurement can tell a good quantizer from a poor one.
     "coat_nodre": "CoatAdamW without DRE (control)",
@@ -82,8 +83,9 @@ def run_variant(variant: str, args, data, device: torch.device) -> dict:
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=betas, weight_decay=args.weight_decay,
                                 fused=device.type == "cuda")
     else:
+        in_backward = dict(step_in_backward=True, max_grad_norm=1.0) if variant.endswith("_sib") else {}
         opt = CoatAdamW(model.parameters(), lr=args.lr, betas=betas, weight_decay=args.weight_decay,
-                        dynamic_range_expansion=variant != "coat_nodre")
+                        dynamic_range_expansion=variant != "coat_nodre", **in_backward)
     if variant.startswith("coat_fp8"):
         grad_format = "e4m3" if variant == "coat_fp8_e4m3g" else Fp8LinearConfig().grad_format
         convert_to_fp8_linear(model, config=Fp8LinearConfig(grad_format=grad_format))
@@ -109,7 +111,8 @@ def run_variant(variant: str, args, data, device: torch.device) -> dict:
             loss = model(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if not getattr(opt, "step_in_backward", False):  # in backward, the optimizer clips
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         curve.append(loss.item())  # syncs, so the timing below covers the whole step
         if step >= min(5, args.steps // 4):  # the first steps pay for compilation and warm-up
@@ -226,7 +229,7 @@ def run_seeds(args, argv) -> int:
     if failed:
         print("\n".join(open(out + ".log").read()[-3000:] for out in failed))
         return 1
-    return run_summary([out + ".json" for out, _ in procs], args.bound)
+    return run_summary([out + ".json" for out, _ in procs], args.bound, args.variants.split(",")[0])
 
 
 # -- summary over seeds ---------------------------------------------------------------------------
@@ -263,20 +266,20 @@ def merge_by_seed(runs: list[dict]) -> list[dict]:
     return list(merged.values())
 
 
-def summarize(runs: list[dict], bound: float) -> tuple[list[str], bool]:
+def summarize(runs: list[dict], bound: float, baseline: str = "adamw") -> tuple[list[str], bool]:
     by_variant: dict[str, list[float]] = {}
     diffs: dict[str, list[float]] = {}
     tokens: dict[str, list[float]] = {}
     for run in runs:
-        base = run["summary"].get("adamw")
+        base = run["summary"].get(baseline)
         for variant, s in run["summary"].items():
             by_variant.setdefault(variant, []).append(s["val_loss"])
             tokens.setdefault(variant, []).append(s["tokens_per_s"])
-            if base is not None and variant != "adamw":
+            if base is not None and variant != baseline:
                 diffs.setdefault(variant, []).append(s["val_loss"] / base["val_loss"] - 1)
     seeds = [r["meta"].get("seed") for r in runs]
     lines = [f"seeds: {seeds}",
-             "| variant | val loss mean ± sd | paired diff vs AdamW mean ± sd | per seed | within bound |",
+             f"| variant | val loss mean ± sd | paired diff vs {baseline} mean ± sd | per seed | within bound |",
              "|---|---|---|---|---|"]
     ok = True
     for variant, vals in by_variant.items():
@@ -296,11 +299,11 @@ def summarize(runs: list[dict], bound: float) -> tuple[list[str], bool]:
 
 
 
-def run_summary(files: list[str], bound: float) -> int:
+def run_summary(files: list[str], bound: float, baseline: str = "adamw") -> int:
     runs = merge_by_seed([read_run(p) for p in files])
     if len(runs) < 3:
         print(f"warning: {len(runs)} run(s); a parity claim needs 3+ seeds", file=sys.stderr)
-    lines, ok = summarize(runs, bound)
+    lines, ok = summarize(runs, bound, baseline)
     print("\n".join(lines))
     return 0 if ok else 1
 
@@ -554,6 +557,7 @@ def main(argv=None) -> int:
     s = sub.add_parser("summary", help="combine parity runs made with different seeds")
     s.add_argument("files", nargs="+", help="parity --out JSON files or logs; runs of one seed are merged")
     s.add_argument("--bound", type=float, default=0.01, help="allowed |mean paired difference| (0.01 = 1%%)")
+    s.add_argument("--baseline", default="adamw", help="the variant the others are paired with")
     q = sub.add_parser("quant-table", help="quantization error of real AdamW moments")
     q.add_argument("--preset", default="small", help="model preset for the table (default: small, ~3.3M)")
     q.add_argument("--steps", type=int, default=150)
@@ -567,7 +571,7 @@ def main(argv=None) -> int:
     q.add_argument("--json", default="", help="also write the numbers here")
     args = ap.parse_args(argv)
     if args.cmd == "summary":
-        return run_summary(args.files, args.bound)
+        return run_summary(args.files, args.bound, args.baseline)
     return (run_parity if args.cmd == "parity" else run_quant_table)(args, argv)
 
 
