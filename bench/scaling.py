@@ -234,6 +234,19 @@ def token_file(vocab: int, n: int) -> str:
     return path
 
 
+def recompute_plan(preset: str, micro: int, seq: int) -> str:
+    """A plan checkpointing every decoder layer (train.py --plan), for the preset's layer names."""
+    from coat_ds.models.llama import Llama, model_config
+    from coat_ds.plan import Plan
+    from coat_ds.plan.layers import decoder_layers
+
+    with torch.device("meta"):
+        model = Llama(model_config(preset, vocab_size=32000))
+    path = os.path.join(tempfile.gettempdir(), f"coat_bench_recompute_{preset}_mb{micro}.json")
+    Plan.uniform([f for f, _ in decoder_layers(model)], "recompute", micro, seq).save(path)
+    return path
+
+
 def run_fit(args) -> list[str]:
     data = token_file(32000, 8_000_000)
     rows = []
@@ -248,8 +261,13 @@ def run_fit(args) -> list[str]:
                       "--log-interval", "1", "--eval-interval", "0", "--eval-batches", "1", "--metrics-file", metrics]
             launcher = ([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", "29513"]
                         if side == "offload" else [sys.executable])
+            if args.recompute:
+                common += ["--plan", recompute_plan(args.preset, mb, args.seq)]
             t0 = time.time()
-            code = launch([*launcher, *common, *FIT_SIDES[side]], os.path.join(args.out, name + ".log"), args.limit)
+            # A plan chooses each layer's treatment itself (a recomputed layer runs BF16 GEMMs).
+            flags = [f for f in FIT_SIDES[side]
+                     if not (args.recompute and f in ("--compress-activations", "--fp8-linear"))]
+            code = launch([*launcher, *common, *flags], os.path.join(args.out, name + ".log"), args.limit)
             logs = [m for m in map(json.loads, open(metrics)) if "tokens_per_s" in m] if os.path.isfile(metrics) else []
             print(f"{name}: exit {code}, {len(logs)} logged steps ({time.time() - t0:.0f} s)", flush=True)
             if code != 0 or not logs:
@@ -259,7 +277,8 @@ def run_fit(args) -> list[str]:
                    max(m["peak_mem_gb"] for m in logs), logs[0]["loss"], logs[-1]["loss"], logs[-1]["step"])
         else:
             rows.append((side, ran, ""))
-    lines = [f"{args.preset}, seq {args.seq}, vocab 32000, one GPU, {args.steps} steps per try",
+    lines = [f"{args.preset}, seq {args.seq}, vocab 32000, one GPU, {args.steps} steps per try"
+             + (", every layer recomputed in backward" if args.recompute else ""),
              "| side | largest micro-batch run | tokens/s (median after 2 steps) | peak GB | loss first -> last (steps) "
              "| stopped at |", "|---|---|---|---|---|---|"]
     for side, ran, stop in rows:
@@ -300,6 +319,7 @@ def main(argv=None) -> None:
     t.add_argument("--sides", nargs="+", default=["bf16:1", "coat:2,4", "coat_sib:4,8", "offload:4"],
                    help="SIDE:MB,MB,... with SIDE one of " + ", ".join(FIT_SIDES))
     t.add_argument("--steps", type=int, default=20)
+    t.add_argument("--recompute", action="store_true", help="every side checkpoints every decoder layer (a plan)")
     for q in (d, c, p, t):
         q.add_argument("--seq", type=int, default=2048)
         q.add_argument("--limit", type=float, default=170, help="seconds per run")
