@@ -267,8 +267,8 @@ def step_in_backward_note(cfg: TrainConfig) -> str | None:
     if not cfg.step_in_backward:
         return None
     clip = gradient_clipping(load_ds_config(cfg.deepspeed))
-    clipping = (f"gradient_clipping {clip:g}: clipping with the previous step's global norm (the first step is not "
-                "clipped)" if clip else "no clipping")
+    clipping = (f"gradient_clipping {clip:g}: clipping with the previous step's global norm (the first step's "
+                "moments are clipped once its norm is known)" if clip else "no clipping")
     return ("step in backward: ON: CoatAdamW steps each parameter as soon as FSDP2 has reduce-scattered its "
             f"gradient and frees that gradient; {clipping}")
 

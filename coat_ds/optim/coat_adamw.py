@@ -84,7 +84,8 @@ class CoatAdamW(torch.optim.Optimizer):
             `step()` then closes the step; `accumulating()` holds the step back for
             gradient accumulation. Single process or FSDP2 only.
         max_grad_norm: with step_in_backward, clip to this global norm, using the norm of
-            the previous step's gradients (the first step is not clipped); None: no clipping.
+            the previous step's gradients (the first step's moments are clipped after it);
+            None: no clipping.
     """
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
@@ -120,7 +121,7 @@ class CoatAdamW(torch.optim.Optimizer):
         if not hasattr(self, "_in_backward"):  # a copy: hooks stay with the optimizer they were made for
             self._in_backward = None
         if self._in_backward is not None and self.param_groups:
-            self._in_backward.load_coef(self.param_groups[0].get(CLIP_KEY, 1.0))
+            self._in_backward.load_coef(self.param_groups[0].get(CLIP_KEY))
         self._drop_caches()
 
     def _drop_caches(self) -> None:

@@ -13,9 +13,9 @@ complete and the gradient is freed, so no FP32 gradient waits for `step()`.
 * Clipping (`max_grad_norm`): the global norm of a step's gradients is known only once
   backward ends, after most of them were applied. Each step therefore scales its
   gradients by min(1, max_grad_norm / (norm + 1e-6)) with the norm of the previous
-  step's gradients (torch's clip_grad_norm_ formula); the first step is not clipped,
-  which changes Adam's first update only through eps, since that update is
-  m / sqrt(v) = sign(g). The current norm is accumulated on the fly and kept where a
+  step's gradients (torch's clip_grad_norm_ formula). The first step runs unclipped and,
+  once its norm is known, its moments are scaled as clipping would have scaled them: its
+  update m / sqrt(v) = sign(g) is a clipped step's up to eps. The current norm is accumulated on the fly and kept where a
   non-finite one would zero every update. The coefficient lives on the device (no sync)
   and goes into the param groups' state dict as `in_backward_clip_coef`.
 * Accumulation: inside `optimizer.accumulating()` the hooks do nothing and gradients
@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .._compat.torch import queue_backward_callback
 from ..memory.tensors import local_tensor
+from .moment import MOMENTS
 
 __all__ = ["InBackward", "BUCKET_NUMEL", "CLIP_KEY"]
 
@@ -74,6 +75,7 @@ class InBackward:
         self.in_backward = False  # a callback is queued for the running backward
         self.accumulating = False
         self.coef = 1.0  # this step's clipping coefficient: a float until the first norm
+        self.norm_known = False  # a previous step's norm set `coef` (else the step is not clipped)
         self.sumsq: dict[tuple, torch.Tensor] = {}
         self.norm: torch.Tensor | None = None
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -220,12 +222,33 @@ class InBackward:
         self.norm = total.sqrt()
         prev = self.coef if torch.is_tensor(self.coef) else torch.tensor(self.coef, device=self.norm.device)
         new = (self.max_grad_norm / (self.norm + 1e-6)).clamp(max=1.0)
-        self.coef = torch.where(torch.isfinite(self.norm), new, prev.to(self.norm.device)).float()
+        finite = torch.isfinite(self.norm)
+        if not self.norm_known:
+            self._clip_first_moments(torch.where(finite, new, 1.0).float())
+            self.norm_known = True
+        self.coef = torch.where(finite, new, prev.to(self.norm.device)).float()
+
+    def _clip_first_moments(self, coef: torch.Tensor) -> None:
+        """The first step ran unclipped. Its update, m / sqrt(v) = sign(g), is what a clipped
+        step gives (up to eps), but its moments would keep the unclipped scale for about
+        1 / (1 - beta2) steps and shrink every later update. So once its norm is known the
+        moments of parameters at their first step are scaled as clipping would have: m by
+        coef, v by coef**2. An FP8 moment scales exactly through its group centres
+        (x = center * y ** (16 / k)); an FP32 one directly."""
+        for state in self.opt.state.values():
+            if not state or float(state["step"]) != 1:
+                continue
+            for name, power in zip(MOMENTS, (1, 2)):
+                key = f"{name}_center" if f"{name}_center" in state else name
+                t = state[key]
+                t.mul_((coef ** power).to(t.device))
 
     # -- checkpoints ------------------------------------------------------------------------
 
-    def coef_value(self) -> float:
-        return float(self.coef)
+    def coef_value(self) -> float | None:
+        """The next step's coefficient for a state dict; None before any norm is known."""
+        return float(self.coef) if self.norm_known else None
 
     def load_coef(self, value) -> None:
-        self.coef = float(value)
+        self.norm_known = value is not None
+        self.coef = 1.0 if value is None else float(value)
