@@ -268,7 +268,9 @@ def step_in_backward_note(cfg: TrainConfig) -> str | None:
         return None
     clip = gradient_clipping(load_ds_config(cfg.deepspeed))
     clipping = (f"gradient_clipping {clip:g}: clipping with the previous step's global norm (the first step's "
-                "moments are clipped once its norm is known)" if clip else "no clipping")
+                "moments are clipped once its norm is known). WARNING: this scheme lost loss parity with "
+                "step-then-clip in our 350m runs (+9% val loss, docs/accuracy.md); set gradient_clipping to 0 "
+                "or leave step_in_backward off" if clip else "no clipping")
     return ("step in backward: ON: CoatAdamW steps each parameter as soon as FSDP2 has reduce-scattered its "
             f"gradient and frees that gradient; {clipping}")
 
