@@ -28,7 +28,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import sys
 import tempfile
 import time
 

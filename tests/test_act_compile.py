@@ -13,7 +13,6 @@ import coat_ds
 from coat_ds import ActivationConfig
 from coat_ds.activation import hooks as hooks_module
 from coat_ds.activation.hooks import SavedTensorCompressor
-from coat_ds.activation.traced import TracedCodec
 from test_act_llama_block import GRAD_SQNR_DB, block_grads, make_block, rope_tables, sqnr_db
 
 CFG = ActivationConfig(backend="torch", min_numel=256)

@@ -4,7 +4,6 @@ no private torch access is left outside coat_ds/_compat/."""
 from __future__ import annotations
 
 import importlib
-import operator
 import re
 import types
 import warnings
@@ -12,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 

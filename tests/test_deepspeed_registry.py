@@ -2,8 +2,6 @@
 through DeepSpeed, Trainer and Accelerate are in test_hf.py)."""
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 

@@ -98,7 +98,7 @@ def _ddp_worker(rank, world, init, out):
     _init(rank, world, init)
     torch.manual_seed(0)
     model = DDP(Net(300))
-    optim = _optim(model.parameters(), True)
+    _optim(model.parameters(), True)  # its hooks keep it alive
     before = [p.detach().clone() for p in model.parameters()]
     x, y = _batch(0)
     try:
