@@ -1,6 +1,7 @@
 """CoatAdamW(step_in_backward=True) on 2 gloo ranks: FSDP2 (the hook fires on the sharded
 DTensor after reduce-scatter) equals the normal step bit for bit, clips with the global norm,
-resumes from a DCP checkpoint bit for bit; DDP's plain tensors are refused."""
+resumes from a DCP checkpoint bit for bit; DDP steps each reduced bucket through a comm hook
+(register_ddp), and without it DDP's plain tensors are refused."""
 from __future__ import annotations
 
 import pytest
@@ -117,5 +118,46 @@ def test_plain_tensors_in_a_multi_rank_world_are_refused_before_any_update(tmp_p
     out = tmp_path / "ddp.pt"
     _spawn(_ddp_worker, 2, tmp_path, str(out))
     got = torch.load(out)
-    assert "plain tensor gradient in a world of 2 ranks" in got["message"] and "FSDP2" in got["message"]
+    assert "plain tensor gradient in a world of 2 ranks" in got["message"] and "register_ddp" in got["message"]
     assert got["unchanged"]
+
+
+def _ddp_equal_worker(rank, world, init, out):
+    _init(rank, world, init)
+    runs, norms = {}, {}
+    for in_backward in (False, True):
+        torch.manual_seed(0)
+        model = DDP(Net(300), bucket_cap_mb=0.05)  # several buckets
+        optim = _optim(model.parameters(), in_backward, clip=1e9 if in_backward else None)
+        if in_backward:
+            optim.register_ddp(model)
+        got = []
+        for s in range(4):
+            x, y = _batch(s)
+            ((model(x.chunk(world)[rank]) - y.chunk(world)[rank]) ** 2).mean().backward()
+            if not in_backward:
+                got.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)))
+            else:  # stepped in backward, by the comm hook
+                assert len(optim.state) == len(list(model.parameters()))
+                assert all(float(st["step"]) == s + 1 for st in optim.state.values())
+            optim.step()
+            if in_backward:
+                got.append(float(optim.last_grad_norm()))
+                assert all(p.grad is None for p in model.parameters())
+            optim.zero_grad()
+        runs[in_backward] = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+        norms[in_backward] = got
+    if rank == 0:
+        torch.save({"runs": runs, "norms": norms}, out)
+    _finish()
+
+
+def test_ddp_register_ddp_equals_step(tmp_path):
+    """Through DDP's comm hook each all-reduced bucket is stepped in backward: the same
+    parameters as DDP + step(), bit for bit, and the same global norm."""
+    out = tmp_path / "ddp_eq.pt"
+    _spawn(_ddp_equal_worker, 2, tmp_path, str(out))
+    got = torch.load(out)
+    for k, v in got["runs"][False].items():
+        _assert_bitwise(got["runs"][True][k], v, k)
+    assert got["norms"][True] == pytest.approx(got["norms"][False], rel=1e-5)

@@ -1,7 +1,6 @@
 """CoatAdamW: AdamW with FP8 moments, per-group scales and Dynamic Range Expansion."""
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import itertools
@@ -20,7 +19,7 @@ from . import state as st
 from . import watch
 from .loading import check_state, is_fp32_layout, merge_groups
 from .group_step import GroupStep
-from .in_backward import CLIP_KEY, InBackward, check_max_grad_norm
+from .in_backward import CLIP_KEY, InBackward, InBackwardMethods, check_max_grad_norm
 from .nonfinite import SkipCounter, first_nonfinite
 
 __all__ = ["CoatAdamW", "nonfinite_groups"]
@@ -45,8 +44,8 @@ def _lr_value(lr):
     return float(lr.item())
 
 
-def _check_param(p: torch.Tensor, group: int, index: int) -> None:
-    if p.grad.is_sparse:
+def _check_param(p: torch.Tensor, grad: torch.Tensor, group: int, index: int) -> None:
+    if grad.is_sparse:
         raise ValueError(f"CoatAdamW does not support sparse gradients (parameter {index} of param group {group})")
     dtype = _local(p).dtype
     if dtype != torch.float32:
@@ -58,7 +57,7 @@ def _check_param(p: torch.Tensor, group: int, index: int) -> None:
             "MixedPrecisionPolicy(param_dtype=torch.bfloat16)): updates below BF16's precision would be lost")
 
 
-class CoatAdamW(torch.optim.Optimizer):
+class CoatAdamW(InBackwardMethods, torch.optim.Optimizer):
     """AdamW whose moments are stored in FP8 with per-group DRE (about 2.13 bytes/param).
 
     A drop-in for `torch.optim.AdamW` (decoupled weight decay, bias correction) on float32
@@ -82,7 +81,7 @@ class CoatAdamW(torch.optim.Optimizer):
         step_in_backward: step each parameter during backward, as soon as its gradient is
             complete, and free that gradient (optim/in_backward.py; docs/optimizer.md).
             `step()` then closes the step; `accumulating()` holds the step back for
-            gradient accumulation. Single process or FSDP2 only.
+            gradient accumulation. One process, FSDP2, or DDP through `register_ddp`.
         max_grad_norm: with step_in_backward, clip to this global norm, using the norm of
             the previous step's gradients (the first step's moments are clipped after it);
             None: no clipping.
@@ -143,36 +142,6 @@ class CoatAdamW(torch.optim.Optimizer):
         if self._in_backward is not None:
             self._in_backward.watch(len(self.param_groups) - 1, group["params"])
 
-    @property
-    def step_in_backward(self) -> bool:
-        return self._in_backward is not None
-
-    @contextlib.contextmanager
-    def accumulating(self):
-        """With step_in_backward: backward passes inside this block only accumulate gradients
-        (micro-batches before the last); the next backward outside it steps. A no-op otherwise."""
-        ib = self._in_backward
-        if ib is None:
-            yield
-            return
-        before, ib.accumulating = ib.accumulating, True
-        try:
-            yield
-        finally:
-            ib.accumulating = before
-
-    def remove_backward_hooks(self) -> None:
-        """With step_in_backward: take this optimizer's hooks off its parameters (before
-        dropping it while the model lives on). Later backward passes only accumulate; step()
-        steps what they leave."""
-        if self._in_backward is not None:
-            self._in_backward.remove_hooks()
-
-    def last_grad_norm(self) -> torch.Tensor | None:
-        """With step_in_backward and max_grad_norm: the global norm of the last closed step's
-        gradients before clipping (a 0-d tensor on the device; reading it syncs), else None."""
-        return None if self._in_backward is None else self._in_backward.norm
-
     # -- the step -------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -201,22 +170,24 @@ class CoatAdamW(torch.optim.Optimizer):
                 work.append((gi, params))
         return work
 
-    def _step_selected(self, selected, grad_scale: torch.Tensor | None) -> None:
+    def _step_selected(self, selected, grad_scale: torch.Tensor | None, given=None) -> None:
         """Step `selected`, (param group index, parameters with a gradient) pairs, taking each
-        gradient multiplied by `grad_scale` where one is given."""
+        gradient multiplied by `grad_scale` where one is given; `given`: their gradients, in
+        order, where those are not their .grad."""
         # Everything that can refuse the step is checked before any group changes.
         work, raising = [], []
+        given = iter(given) if given is not None else None
         for gi, params in selected:
             group = self.param_groups[gi]
             hp, cfg = self._validate(group)
-            grads = list(map(_GRAD, params))
+            grads = list(map(_GRAD, params)) if given is None else [next(given) for _ in params]
             prepared = self._group_steps.get(tuple(map(id, params)))
             taken = prepared.check(self.state, grads) if prepared is not None and prepared.cfg == cfg else None
             if taken is None:
-                for i, p in enumerate(params):
-                    _check_param(p, gi, i)
+                for i, (p, g) in enumerate(zip(params, grads)):
+                    _check_param(p, g, gi, i)
                 prepared = None
-            work.append((hp, cfg, params, prepared, taken))
+            work.append((hp, cfg, params, grads, prepared, taken))
             if cfg.nonfinite == "raise":
                 raising.extend((gi, p) for p in params)
         if raising:
@@ -228,27 +199,28 @@ class CoatAdamW(torch.optim.Optimizer):
                     f"CoatAdamW: parameter {index} of param group {gi} has a non-finite gradient (or one whose "
                     "square overflows float32); nothing was updated")
             skipped_before = self._skips.total()
-        for hp, cfg, params, prepared, taken in work:
+        for hp, cfg, params, grads, prepared, taken in work:
             if prepared is None:
-                prepared, taken = self._prepare(params, cfg)
+                prepared, taken = self._prepare(params, grads, cfg)
             prepared.run(taken, hp, self._skips, grad_scale)
         if raising and self._skips.total() > skipped_before:
             raise FloatingPointError(
                 f"CoatAdamW: {self._skips.total() - skipped_before} group(s) had moments that overflowed "
                 "float32; their parameters and moments were left unchanged")
 
-    def _prepare(self, params: list[torch.Tensor], cfg: OptimStateConfig) -> tuple[GroupStep, tuple]:
+    def _prepare(self, params: list[torch.Tensor], grads: list[torch.Tensor],
+                 cfg: OptimStateConfig) -> tuple[GroupStep, tuple]:
         """A new GroupStep for `params` (creating state on first use), and what its run takes
-        for their gradients."""
+        for their gradients `grads`."""
         states, slots = [], []
-        for p in params:
+        for p, g in zip(params, grads):
             local = _local(p)
             state = self.state[p]
             if not state:
                 state.update(st.init_state(local, sharded.global_numel(p) >= cfg.min_quant_numel, cfg))
             if st.SKIPS_KEY not in state:  # state set by hand or by an older version
                 state[st.SKIPS_KEY] = st.zero_skips(local, cfg.group_size)
-            grad = _local(p.grad)
+            grad = _local(g)
             states.append(state)
             slots.append(AdamWSlot(local, grad if grad.is_contiguous() else grad.contiguous(),
                                    *st.kernel_moments(state, cfg), state[st.SKIPS_KEY]))

@@ -6,6 +6,10 @@ complete and the gradient is freed, so no FP32 gradient waits for `step()`.
   waits for at the end of backward). Elsewhere it fires on the local gradient, so in a
   world of several ranks a plain (non-DTensor) parameter is refused: DDP and FSDP1 reduce
   gradients only after that hook has run.
+* DDP (`CoatAdamW.register_ddp(model)`): a comm hook steps each bucket once DDP has
+  all-reduced it (the gradients stay in DDP's bucket, which DDP keeps anyway: no memory is
+  saved there, the update only moves into backward); the post-accumulate hook leaves DDP's
+  parameters alone.
 * Batching: ready parameters wait in a bucket of up to `BUCKET_NUMEL` elements, stepped
   by one fused launch per (param group, dtype) as in `step()`; the rest is stepped by a
   callback at the end of backward. A launch on a CUDA plain parameter runs on a side
@@ -25,7 +29,9 @@ complete and the gradient is freed, so no FP32 gradient waits for `step()`.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 import warnings
 from collections import defaultdict
 from contextlib import nullcontext
@@ -38,7 +44,7 @@ from .._compat.torch import queue_backward_callback
 from ..memory.tensors import local_tensor
 from .moment import MOMENTS
 
-__all__ = ["InBackward", "BUCKET_NUMEL", "CLIP_KEY"]
+__all__ = ["InBackward", "InBackwardMethods", "BUCKET_NUMEL", "CLIP_KEY"]
 
 # Elements of gradient held before a bucket is stepped: one launch per ~256 MB of FP32
 # gradient keeps the host cost near one fused step's while holding little memory.
@@ -79,6 +85,9 @@ class InBackward:
         self.sumsq: dict[tuple, torch.Tensor] = {}
         self.norm: torch.Tensor | None = None
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.ddp_params: set[int] = set()  # stepped by a DDP comm hook, not by their own hook
+        self.ddp_stepped: list[torch.Tensor] = []  # ... this step: step() leaves them alone
+        self.lock = threading.Lock()  # DDP's comm-hook callbacks may run on other threads
 
     def watch(self, group_index: int, params) -> None:
         for p in params:
@@ -103,7 +112,7 @@ class InBackward:
 
     def _ready(self, p: torch.Tensor) -> None:
         # Runs once per parameter and backward: kept to a few dict and attribute reads.
-        if self.accumulating or p.grad is None:
+        if self.accumulating or p.grad is None or id(p) in self.ddp_params:
             return
         gi, numel = self.info[id(p)]
         if gi in self.deferred:
@@ -125,7 +134,8 @@ class InBackward:
             raise RuntimeError(
                 f"CoatAdamW(step_in_backward=True) got a plain tensor gradient in a world of {dist.get_world_size()} "
                 "ranks: DDP, FSDP1 and DeepSpeed reduce gradients after the hook that would step it, so each rank "
-                "would apply its own. Shard the model with FSDP2 (fully_shard), or use step_in_backward=False")
+                "would apply its own. Under DDP call optimizer.register_ddp(ddp_model) first; else shard the model "
+                "with FSDP2 (fully_shard), or use step_in_backward=False")
 
     def _check_owned(self, p: torch.Tensor, gi: int) -> None:
         if not any(q is p for q in self.opt.param_groups[gi]["params"]):
@@ -166,10 +176,43 @@ class InBackward:
 
     # -- the step ---------------------------------------------------------------------------
 
-    def step(self, work, grads: list[torch.Tensor]) -> None:
-        if self.max_grad_norm is not None:
-            self._add_norms(grads)
-        self.opt._step_selected(work, self._grad_scale(grads))
+    def step(self, work, grads: list[torch.Tensor], given: bool = False) -> None:
+        """Step `work`, (param group index, parameters) pairs, on `grads` (theirs, in order);
+        `given`: the gradients are not the parameters' .grad (DDP's reduced bucket)."""
+        with self.lock:
+            if self.max_grad_norm is not None:
+                self._add_norms(grads)
+            self.opt._step_selected(work, self._grad_scale(grads), grads if given else None)
+
+    # -- DDP ----------------------------------------------------------------------------------
+
+    def register_ddp(self, ddp_model) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        for p in ddp_model.parameters():
+            if id(p) in self.info:
+                self.ddp_params.add(id(p))
+
+        def hook(state, bucket):
+            return allreduce_hook(state, bucket).then(lambda fut: self._ddp_bucket_done(fut, bucket))
+
+        ddp_model.register_comm_hook(None, hook)
+
+    def _ddp_bucket_done(self, fut, bucket) -> torch.Tensor:
+        reduced = fut.value()
+        if not self.accumulating:
+            by_group: dict[int, tuple[list, list]] = defaultdict(lambda: ([], []))
+            for p, g in zip(bucket.parameters(), bucket.gradients()):
+                gi = self.info[id(p)][0] if id(p) in self.info else None
+                if gi is not None and gi not in self.deferred:
+                    by_group[gi][0].append(p)
+                    by_group[gi][1].append(g)
+            if by_group:
+                work = [(gi, ps) for gi, (ps, _) in by_group.items()]
+                self.step(work, [g for _, gs in by_group.values() for g in gs], given=True)
+                with self.lock:
+                    self.ddp_stepped.extend(p for _, ps in work for p in ps)
+        return reduced
 
     def _grad_scale(self, grads) -> torch.Tensor | None:
         if self.max_grad_norm is None or (not torch.is_tensor(self.coef) and self.coef == 1.0):
@@ -204,6 +247,9 @@ class InBackward:
         """The end of a step (`optimizer.step()`): step what still has a gradient, wait for
         the side streams, turn this step's norm into the next step's coefficient."""
         self.flush()
+        for p in self.ddp_stepped:  # DDP copied the reduced gradient back after its step
+            p.grad = None
+        self.ddp_stepped = []
         work = self.opt._params_with_grads()
         if work:
             grads = [p.grad for _, ps in work for p in ps]
@@ -252,3 +298,46 @@ class InBackward:
     def load_coef(self, value) -> None:
         self.norm_known = value is not None
         self.coef = 1.0 if value is None else float(value)
+
+
+class InBackwardMethods:
+    """CoatAdamW's public face of stepping in backward (`self._in_backward`: an InBackward
+    or None)."""
+
+    @property
+    def step_in_backward(self) -> bool:
+        return self._in_backward is not None
+
+    @contextlib.contextmanager
+    def accumulating(self):
+        """With step_in_backward: backward passes inside this block only accumulate gradients
+        (micro-batches before the last); the next backward outside it steps. A no-op otherwise."""
+        ib = self._in_backward
+        if ib is None:
+            yield
+            return
+        before, ib.accumulating = ib.accumulating, True
+        try:
+            yield
+        finally:
+            ib.accumulating = before
+
+    def register_ddp(self, ddp_model) -> None:
+        """With step_in_backward under DDP: step each gradient bucket in backward once DDP has
+        all-reduced it (a comm hook; DDP keeps its buckets, so no gradient memory is saved)."""
+        if self._in_backward is None:
+            raise ValueError("register_ddp steps gradient buckets in backward: build the optimizer with "
+                             "step_in_backward=True")
+        self._in_backward.register_ddp(ddp_model)
+
+    def remove_backward_hooks(self) -> None:
+        """With step_in_backward: take this optimizer's hooks off its parameters (before
+        dropping it while the model lives on). Later backward passes only accumulate; step()
+        steps what they leave."""
+        if self._in_backward is not None:
+            self._in_backward.remove_hooks()
+
+    def last_grad_norm(self) -> torch.Tensor | None:
+        """With step_in_backward and max_grad_norm: the global norm of the last closed step's
+        gradients before clipping (a 0-d tensor on the device; reading it syncs), else None."""
+        return None if self._in_backward is None else self._in_backward.norm
