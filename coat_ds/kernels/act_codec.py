@@ -63,32 +63,36 @@ def _flat_groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
     return (F.pad(flat, (0, pad)) if pad else flat).reshape(-1, group_size)
 
 
-def _encode(xf: torch.Tensor, mag: torch.Tensor, e: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
-    """uint8 codes of float32 `xf` (|x|'s bits `mag`) at scale 2**e (broadcastable)."""
-    y = xf * pow2(-e)
-    y = torch.where(mag == _INF_BITS, torch.where(xf > 0, fmt.max, -fmt.max), y)
-    return y.to(fmt.dtype).view(torch.uint8)
+def _encode(xf: torch.Tensor, e: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """uint8 codes of float32 `xf` at scale 2**e (broadcastable). Finite values scale below
+    1.625 * 2**E, so the clamp only turns +-inf into the top code; a NaN stays NaN."""
+    return (xf * pow2(-e)).clamp_(-fmt.max, fmt.max).to(fmt.dtype).view(torch.uint8)
+
+
+def _finite_amax_bits(xf: torch.Tensor, dim=None) -> torch.Tensor:
+    """int32 bits of max |x| over the finite elements (0 where none): the bits of |x| order
+    like |x|, non-finite ones counted as 0."""
+    mag = xf.view(torch.int32) & _ABS_MASK
+    mag.masked_fill_(mag >= _INF_BITS, 0)
+    return mag.amax() if dim is None else mag.amax(dim)
 
 
 def _decode(codes: torch.Tensor, e: torch.Tensor, fmt: Fp8Format, dtype: torch.dtype) -> torch.Tensor:
-    """float32 values of `codes` at scale 2**e (broadcastable), in `dtype`'s finite range."""
-    d = codes.view(fmt.dtype).to(torch.float32)
+    """float32 values of `codes` at scale 2**e (broadcastable), in `dtype`'s finite range. The
+    top magnitude code (+-inf) and those above it (NaN) are told from the codes, so no float
+    copy of them stays alive beside the values (the peak of a CPU backward)."""
     out_max = torch.finfo(dtype).max
-    x = d * pow2(e.to(torch.int32))
-    # Rounding up at the top of dtype's range (fp16 65504 -> 65536) must not give inf; a
-    # NaN here is replaced below, so these selects need not propagate it.
-    x = torch.where(x > out_max, out_max, x)
-    x = torch.where(x < -out_max, -out_max, x)
-    return torch.where(d.abs() < fmt.max, x, d * float("inf"))
+    # Rounding up at the top of dtype's range (fp16 65504 -> 65536) must not give inf.
+    x = (codes.view(fmt.dtype).to(torch.float32) * pow2(e.to(torch.int32))).clamp_(-out_max, out_max)
+    return torch.where((codes & 0x7F) >= fmt.code_max, x * float("inf"), x)
 
 
 def quantize_groups(x: torch.Tensor, group_size: int = 16, fmt="e4m3") -> tuple[torch.Tensor, torch.Tensor]:
     """(uint8 codes shaped like x, int8 exponents (ceil(numel / G),)) of contiguous `x`."""
     fmt = get_format(fmt)
     xg = _flat_groups(x, group_size).to(torch.float32)
-    mag = xg.view(torch.int32) & _ABS_MASK
-    e = scale_exponent(torch.where(mag < _INF_BITS, mag, 0).amax(-1), fmt)
-    codes = _encode(xg, mag, e[..., None], fmt)
+    e = scale_exponent(_finite_amax_bits(xg, -1), fmt)
+    codes = _encode(xg, e[..., None], fmt)
     return codes.reshape(-1)[: x.numel()].reshape(x.shape), e.to(torch.int8)
 
 
@@ -103,10 +107,9 @@ def quantize_tensor(x: torch.Tensor, fmt="e4m3") -> tuple[torch.Tensor, torch.Te
     """(uint8 codes shaped like x, int32 exponent e of shape ()): one scale for the tensor."""
     fmt = get_format(fmt)
     xf = x.to(torch.float32)
-    mag = xf.view(torch.int32) & _ABS_MASK
-    amax = torch.where(mag < _INF_BITS, mag, 0).amax() if x.numel() else mag.new_zeros(())
+    amax = _finite_amax_bits(xf) if x.numel() else torch.zeros((), dtype=torch.int32, device=x.device)
     e = scale_exponent(amax, fmt)
-    return _encode(xf, mag, e, fmt), e
+    return _encode(xf, e, fmt), e
 
 
 def dequantize_tensor(codes: torch.Tensor, exp: torch.Tensor, fmt="e4m3",
