@@ -46,6 +46,16 @@ def device():
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for the rest of the module: its tiny ops on a shared 2-core
+    machine only contend otherwise (50x slower steps)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 _LAUNCH_MACHINERY = ("subprocess.py", os.sep + "multiprocessing" + os.sep)
 
 

@@ -5,19 +5,11 @@ import json
 import sys
 
 import pytest
-import torch
 
 from coat_ds.plan import load_plan
 from coat_ds.profile import parse_options, profile
 from helpers import run_in_repo
 
-
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.mark.slow

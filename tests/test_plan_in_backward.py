@@ -25,12 +25,7 @@ PROFILE_ARGS = ["--model", "tiny", "--seq-len", "16", "--budget-gb", "0.05", "--
 BUCKET = 1 << 12
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _coat_side(tmp_path, *extra: str) -> tuple[dict, dict]:

@@ -22,13 +22,7 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-3)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny ops on a shared 2-core machine: intra-op threads only contend (50x slower steps).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

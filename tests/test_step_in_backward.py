@@ -2,6 +2,7 @@
 and training is the normal step's, bit for bit where the scheme is the same."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
@@ -41,21 +42,13 @@ def _train(model, opt, batches, clip=None, accumulate=1):
     for x in batches:
         x = x.to(dev)
         for i in range(accumulate):
-            with opt.accumulating() if i < accumulate - 1 else _nothing():
+            with opt.accumulating() if i < accumulate - 1 else contextlib.nullcontext():
                 (_loss(model, x) / accumulate).backward()
         if clip is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         opt.step()
         opt.zero_grad(set_to_none=True)
     return norms
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _same_params(a: nn.Module, b: nn.Module) -> None:
