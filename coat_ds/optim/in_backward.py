@@ -19,9 +19,10 @@ complete and the gradient is freed, so no FP32 gradient waits for `step()`.
   gradients by min(1, max_grad_norm / (norm + 1e-6)) with the norm of the previous
   step's gradients (torch's clip_grad_norm_ formula). The first step runs unclipped and,
   once its norm is known, its moments are scaled as clipping would have scaled them: its
-  update m / sqrt(v) = sign(g) is a clipped step's up to eps. The current norm is accumulated on the fly and kept where a
-  non-finite one would zero every update. The coefficient lives on the device (no sync)
-  and goes into the param groups' state dict as `in_backward_clip_coef`.
+  update m / sqrt(v) = sign(g) is a clipped step's up to eps. The current norm is
+  accumulated on the fly and kept where a non-finite one would zero every update. The
+  coefficient lives on the device (no sync) and goes into the param groups' state dict as
+  `in_backward_clip_coef`.
 * Accumulation: inside `optimizer.accumulating()` the hooks do nothing and gradients
   accumulate as usual; the first backward outside it steps.
 * Groups with `nonfinite="raise"` are not stepped in backward: an exact raise needs every
@@ -42,7 +43,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .._compat.torch import queue_backward_callback
 from ..memory.tensors import local_tensor
-from .moment import MOMENTS
+from . import state as st
+from .moment import MOMENTS, Fp8Moment
 
 __all__ = ["InBackward", "InBackwardMethods", "BUCKET_NUMEL", "CLIP_KEY"]
 
@@ -149,8 +151,9 @@ class InBackward:
         self.flush()
 
     def _stream(self, grads: list[torch.Tensor]):
+        """The side stream for stepping `grads`: plain CUDA tensors of one device only."""
         device = grads[0].device
-        if device.type != "cuda" or any(g.device != device for g in grads):
+        if device.type != "cuda" or any(g.device != device or isinstance(g, DTensor) for g in grads):
             return None
         if device not in self.streams:
             self.streams[device] = torch.cuda.Stream(device)
@@ -158,16 +161,20 @@ class InBackward:
 
     def flush(self) -> None:
         """Step every pending parameter and free its gradient."""
-        if not self.pending:
-            return
-        work, self.pending, self.pending_numel = self.pending, defaultdict(list), 0
-        params = [p for ps in work.values() for p in ps]
+        if self.pending:
+            work, self.pending, self.pending_numel = list(self.pending.items()), defaultdict(list), 0
+            self._step_and_free(work)
+
+    def _step_and_free(self, work) -> None:
+        """Step `work`, (param group index, parameters with a gradient) pairs, and free their
+        gradients."""
+        params = [p for _, ps in work for p in ps]
         grads = [p.grad for p in params]
-        stream = self._stream(grads) if grads[0].is_cuda and not any(isinstance(g, DTensor) for g in grads) else None
+        stream = self._stream(grads)
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(stream.device))
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            self.step(work.items(), grads)
+            self.step(work, grads)
         if stream is not None:
             for g in grads:
                 g.record_stream(stream)  # freed below, reused only once the step has read it
@@ -252,11 +259,7 @@ class InBackward:
         self.ddp_stepped = []
         work = self.opt._params_with_grads()
         if work:
-            grads = [p.grad for _, ps in work for p in ps]
-            self.step(work, grads)
-            for _, ps in work:
-                for p in ps:
-                    p.grad = None
+            self._step_and_free(work)
         for device, stream in self.streams.items():
             torch.cuda.current_stream(device).wait_stream(stream)
         self.in_backward = False
@@ -279,15 +282,17 @@ class InBackward:
         step gives (up to eps), but its moments would keep the unclipped scale for about
         1 / (1 - beta2) steps and shrink every later update. So once its norm is known the
         moments of parameters at their first step are scaled as clipping would have: m by
-        coef, v by coef**2. An FP8 moment scales exactly through its group centres
-        (x = center * y ** (16 / k)); an FP32 one directly."""
-        for state in self.opt.state.values():
+        coef, v by coef**2 (an FP8 moment exactly, through its group centres)."""
+        cfg_of = self.opt._config_of()
+        for p, state in self.opt.state.items():
             if not state or float(state["step"]) != 1:
                 continue
             for name, power in zip(MOMENTS, (1, 2)):
-                key = f"{name}_center" if f"{name}_center" in state else name
-                t = state[key]
-                t.mul_((coef ** power).to(t.device))
+                moment = st.moment(state, name, cfg_of[id(p)])
+                if isinstance(moment, Fp8Moment):
+                    moment.scale_(coef ** power)
+                else:
+                    moment.mul_((coef ** power).to(moment.device))
 
     # -- checkpoints ------------------------------------------------------------------------
 
