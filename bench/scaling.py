@@ -51,12 +51,14 @@ def ngpu() -> int:
     return int(os.environ.get("NGPU") or 0) or torch.cuda.device_count() or 1
 
 
-def with_micro_batch(name: str, micro: int) -> str:
-    """The shipped JSON (CPU-sized) with the benchmark's micro-batch, outside --out: the device
-    tool returns a limited number of files."""
+def with_micro_batch(name: str, micro: int, tag: str = "", edit=None) -> str:
+    """The shipped JSON (CPU-sized) with the benchmark's micro-batch (and `edit` applied to it,
+    named by `tag`), outside --out: the device tool returns a limited number of files."""
     cfg = json.load(open(C.ROOT / "ds_configs" / f"{name}.json"))
     cfg["train_micro_batch_size_per_gpu"] = micro
-    path = os.path.join(tempfile.gettempdir(), f"coat_bench_{name}_mb{micro}.json")
+    if edit is not None:
+        edit(cfg)
+    path = os.path.join(tempfile.gettempdir(), f"coat_bench_{name}{tag}_mb{micro}.json")
     json.dump(cfg, open(path, "w"), indent=2)
     return path
 
@@ -213,17 +215,16 @@ FIT_SIDES = {
 }
 
 
-def fit_json(side: str, micro: int) -> str:
-    if side != "offload":
-        return with_micro_batch("bf16_zero3" if side == "bf16" else "coat_zero3", micro)
-    cfg = json.load(open(C.ROOT / "ds_configs" / "bf16_zero2.json"))
-    cfg["train_micro_batch_size_per_gpu"] = micro
+def _cpu_adamw_offload(cfg: dict) -> None:
     cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     cfg["optimizer"]["params"] = {**cfg["optimizer"]["params"], "torch_adam": True, "fused": False}
     cfg["zero_force_ds_cpu_optimizer"] = False
-    path = os.path.join(tempfile.gettempdir(), f"coat_bench_offload_mb{micro}.json")
-    json.dump(cfg, open(path, "w"), indent=2)
-    return path
+
+
+def fit_json(side: str, micro: int) -> str:
+    if side == "offload":
+        return with_micro_batch("bf16_zero2", micro, "_offload", _cpu_adamw_offload)
+    return with_micro_batch("bf16_zero3" if side == "bf16" else "coat_zero3", micro)
 
 
 def token_file(vocab: int, n: int) -> str:
