@@ -41,6 +41,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def end_worker() -> None:
+    """End a multi-rank test worker: collect engine state and end the process group on every rank
+    together (`shutdown_distributed`, as train.py ends), then exit without interpreter
+    finalization. FSDP and DeepSpeed objects hold the gloo group past destroy_process_group, and
+    its teardown while the interpreter finalizes intermittently aborts a worker that already
+    passed ("terminate called without an active exception", SIGABRT)."""
+    from coat_ds.integrations.engine_setup import shutdown_distributed
+
+    shutdown_distributed()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

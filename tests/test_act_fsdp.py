@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 
 import pytest
@@ -20,7 +19,7 @@ def _worker(rank: int, init_file: str):
     import coat_ds
     from coat_ds import ActivationConfig
     from coat_ds.activation.packing import FP8Saved
-    from helpers import stored_as_is
+    from helpers import end_worker, stored_as_is
     from test_act_llama_block import GRAD_SQNR_DB, TinyLlama, sqnr_db
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
@@ -70,14 +69,7 @@ def _worker(rank: int, init_file: str):
     except BaseException:
         dist.destroy_process_group()
         raise
-    # FSDP state keeps the gloo group alive past destroy_process_group, and its teardown
-    # during interpreter finalization can SIGABRT after the test passed: end both ranks
-    # together and skip finalization.
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_worker()
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from helpers import free_port
+from helpers import end_worker, free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -304,8 +304,4 @@ def test_offline_converter_cli(runs, tmp_path):
 if __name__ == "__main__":
     scenario, stage, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     {"zero": worker_zero, "reshard": worker_reshard}[scenario](stage, out)
-    if torch.distributed.is_initialized():
-        # End the gloo group on every rank together, not during interpreter shutdown, where
-        # its teardown can SIGABRT a finished worker.
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    end_worker()

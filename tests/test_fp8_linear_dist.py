@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import free_port
+from helpers import end_worker, free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -147,9 +147,7 @@ def worker(out_dir: str) -> None:
     result["seconds"] = {"fsdp": t1 - t0, "zero": time.perf_counter() - t1}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)  # FSDP/DeepSpeed state can abort a gloo group at interpreter exit
+    end_worker()
 
 
 @pytest.mark.slow

@@ -8,7 +8,6 @@ a multiple of 2 * 128) and a 3-element bias that keeps FP32 moments.
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
@@ -34,6 +33,7 @@ from coat_ds.integrations.fsdp import (
     save_checkpoint,
     setup_fsdp,
 )
+from helpers import end_worker
 
 pytestmark = pytest.mark.slow
 
@@ -101,20 +101,6 @@ def _init(rank: int, world: int, init: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
 
 
-def _finish() -> None:
-    """End a worker: all ranks together, then exit without interpreter finalization.
-
-    FSDP state, meshes and DTensors keep the gloo group alive past destroy_process_group;
-    destroying it during finalization intermittently aborts ("terminate called without an
-    active exception", SIGABRT) after the test has passed. The worker's results are
-    already written, so it skips finalization."""
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def _full_params(model) -> dict:
     return {k: v.clone() for k, v in get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)).items()}
@@ -161,7 +147,7 @@ def _fsdp2_train_worker(rank, world, init, hidden, out):
     full_osd = _full_optim_state(model, optim)
     if rank == 0:
         torch.save({"params": params, "optim": full_osd}, out)
-    _finish()
+    end_worker()
 
 
 def test_fsdp2_matches_single_process_bitwise(tmp_path):
@@ -207,7 +193,7 @@ def _fsdp1_train_worker(rank, world, init, use_orig_params, out):
     dist.all_gather_object(counts, fp8)
     if rank == 0:
         torch.save({"params": params, "fp8_numel": sum(counts)}, out)
-    _finish()
+    end_worker()
 
 
 @pytest.mark.parametrize("use_orig_params", [True, False])
@@ -286,7 +272,7 @@ def _fsdp2_ckpt_worker(rank, world, init, ckpt):
     _train(model2, optim2, range(3, 5), rank, world)
     for (k, a), b in zip(_full_params(model).items(), _full_params(model2).values()):
         _assert_bitwise(b, a, k)
-    _finish()
+    end_worker()
 
 
 def _failed_saves_change_nothing(model, optim, ckpt):
@@ -322,7 +308,7 @@ def _fsdp2_save_worker(rank, world, init, ckpt, out):
     end = _full_params(model)
     if rank == 0:
         torch.save({"at_save": at_save, "optim": full_osd, "end": end}, out)
-    _finish()
+    end_worker()
 
 
 def _fsdp2_resume_worker(rank, world, init, ckpt, out):
@@ -337,7 +323,7 @@ def _fsdp2_resume_worker(rank, world, init, ckpt, out):
     end = _full_params(model)
     if rank == 0:
         torch.save({"at_load": at_load, "optim": osd, "end": end}, out)
-    _finish()
+    end_worker()
 
 
 def test_fsdp2_resume_on_fewer_ranks(tmp_path):
@@ -427,7 +413,7 @@ def _fsdp1_ckpt_worker(rank, world, init, use_orig_params, ckpt, out):
     dist.all_gather_object(gaps, (num, den))
     gap = (sum(n for n, _ in gaps) / sum(d for _, d in gaps)) ** 0.5
     assert 0 <= gap < 0.125, gap
-    _finish()
+    end_worker()
 
 
 def _check_requantized(fp32: dict, optim) -> None:
@@ -468,7 +454,7 @@ def _fsdp1_resume_worker(rank, world, init, use_orig_params, ckpt, out):
     optim = _optim(model.parameters())
     assert load_checkpoint(ckpt, model, optim) == 3
     torch.save(_fsdp1_full(model, optim), out)
-    _finish()
+    end_worker()
 
 
 # -- setup_fsdp's activation-compression hook-in -------------------------------------------------
@@ -495,7 +481,7 @@ def _fsdp2_activation_worker(rank, world, init, out):
             assert stats.compressed_bytes < stats.uncompressed_bytes
     if rank == 0:
         torch.save(losses, out)
-    _finish()
+    end_worker()
 
 
 def test_fsdp2_with_activation_compression(tmp_path):
@@ -519,7 +505,7 @@ def _clip_worker(rank, world, init, mode, out):
     after = clip_grad_norm_(model, 0.1)
     if rank == 0:
         torch.save((before, after), out)
-    _finish()
+    end_worker()
 
 
 @pytest.mark.parametrize("mode", ["fsdp2", "fsdp1"])

@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 
-from helpers import free_port
+from helpers import end_worker, free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -234,8 +234,7 @@ def worker(out: str) -> None:
     rank = torch.distributed.get_rank()
     with open(os.path.join(out, f"hf_rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    torch.distributed.barrier()
-    os._exit(0)  # a gloo group kept alive by engine state can abort interpreter finalization
+    end_worker()
 
 
 # -- pytest side ------------------------------------------------------------------------------

@@ -158,14 +158,12 @@ def test_fsdp2_dcp_checkpoint_loads_bit_exactly(tmp_path):
 
 
 if __name__ == "__main__":
+    from helpers import end_worker
+
     torch.set_num_threads(1)
     if sys.argv[1] == "zero":
         worker_zero(int(sys.argv[2]), sys.argv[3])
     else:
         torch.distributed.init_process_group("gloo")
         worker_fsdp2(sys.argv[2])
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip interpreter finalization: a gloo group torn down there can SIGABRT
+    end_worker()

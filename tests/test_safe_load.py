@@ -27,7 +27,7 @@ import torch
 from coat_ds.io.checkpoint_folders import RECORD, find_checkpoint
 
 from coat_ds.io.safe_load import CheckpointError, load_file
-from helpers import run_failing_in_repo, run_in_repo, run_ranks
+from helpers import end_worker, run_failing_in_repo, run_in_repo, run_ranks
 
 GLOBAL = "builtins.eval"
 
@@ -257,7 +257,7 @@ def _fsdp_worker(rank, world, init, out):
     import torch.distributed as dist
 
     from coat_ds.integrations.fsdp import load_checkpoint, load_checkpoint_folder, save_checkpoint, setup_fsdp
-    from test_fsdp import LR, Net, _finish, _init, _local_state, _optim, _train
+    from test_fsdp import LR, Net, _init, _local_state, _optim, _train
 
     _init(rank, world, init)
 
@@ -300,7 +300,7 @@ def _fsdp_worker(rank, world, init, out):
         result[f"{name}_ran_trusted"] = os.path.exists(markers[name])
     with open(os.path.join(out, f"fsdp_rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    _finish()
+    end_worker()
 
 
 @pytest.mark.slow
@@ -344,6 +344,4 @@ def test_train_py_resume_refuses_crafted_checkpoint(tmp_path):
 
 if __name__ == "__main__":
     worker_deepspeed(sys.argv[1])
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    end_worker()
