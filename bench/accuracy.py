@@ -53,8 +53,8 @@ VARIANTS = {
     "coat_act": "CoatAdamW + FP8 activations",
     "coat_fp8": "CoatAdamW + FP8 activations + FP8 linears",
     "coat_fp8_e4m3g": "CoatAdamW + FP8 activations + FP8 linears, E4M3 output gradients",
-    "coat_sib": "coat stepping in backward, clipped with the previous step's norm",
-    "coat_fp8_sib": "coat_fp8 stepping in backward, clipped with the previous step's norm",
+    "coat_sib": "coat with step_in_backward: FP32 gradients freed in backward, clipped exactly in step()",
+    "coat_fp8_sib": "coat_fp8 with step_in_backward: FP32 gradients freed in backward, clipped exactly in step()",
     # A negative control, not run by default: per-group absmax FP8 moments without DRE. It
     # shows that the parity measurement can tell a good quantizer from a poor one.
     "coat_nodre": "CoatAdamW without DRE (control)",

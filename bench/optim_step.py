@@ -211,7 +211,7 @@ def run_stub_launch(args) -> dict:
                 p.grad = g
                 if ib is not None:
                     ib.in_backward = True  # outside autograd: no end-of-backward callback to queue
-                    ib._ready(p)
+                    ib.hooks[id(p)](p)
             if ib is not None:
                 ib.end_of_backward()
             opt.step()

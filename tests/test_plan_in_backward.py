@@ -79,8 +79,8 @@ def _model() -> Llama:
     return Llama(model_config("tiny", n_layers=4, max_seq_len=8))
 
 
-def _optimizer(step_in_backward: bool):
-    return lambda params: coat_ds.CoatAdamW(params, lr=1e-3, step_in_backward=step_in_backward)
+def _optimizer(step_in_backward: bool, clip=None):
+    return lambda params: coat_ds.CoatAdamW(params, lr=1e-3, step_in_backward=step_in_backward, max_grad_norm=clip)
 
 
 CONFIG = MeasureConfig(seq_len=4, batches=(1, 2), timed_steps=1, choices=("keep",))
@@ -95,6 +95,10 @@ def test_planner_plans_a_larger_micro_batch_where_gradients_were_the_limit(monke
     assert m[False].grads_bytes == m[False].params_bytes and m[True].grads_bytes == 0
     assert not m[False].step_in_backward and m[True].step_in_backward
     assert m[True].in_backward_grad_bytes == (BUCKET - 1) * 4 + 4 * max(p.numel() for p in params)
+    # With clipping the BF16 copies wait for step(): 2 bytes per FP32 parameter more.
+    clipped = measure_choices(model, _optimizer(True, clip=1.0), config=CONFIG)
+    assert clipped.grads_bytes == 0
+    assert clipped.in_backward_grad_bytes == m[True].in_backward_grad_bytes + 2 * sum(p.numel() for p in params)
     assert m[True].optimizer_state_bytes == m[False].optimizer_state_bytes
     assert m[True].fixed_bytes < m[False].fixed_bytes
     # The optimizer's hooks went with it: a plain backward leaves every gradient.

@@ -11,7 +11,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import coat_ds
 from coat_ds.integrations.fsdp import clip_grad_norm_, load_checkpoint, save_checkpoint, setup_fsdp
-from test_fsdp import LR, MIN_QUANT, Net, _assert_bitwise, _batch, _finish, _full_params, _init, _spawn
+from helpers import end_worker
+from test_fsdp import LR, MIN_QUANT, Net, _assert_bitwise, _batch, _full_params, _init, _spawn
 
 pytestmark = pytest.mark.slow
 
@@ -22,12 +23,16 @@ def _optim(params, in_backward: bool, clip=None):
 
 
 def _train(model, optim, steps, rank, world, clip_by_hand=None) -> list[float]:
+    """Train `steps`; `clip_by_hand`: clip_grad_norm_ to it, then round the gradients to BF16
+    as CoatAdamW(max_grad_norm=...) holds them."""
     norms = []
     for s in steps:
         x, y = _batch(s)
         ((model(x.chunk(world)[rank]) - y.chunk(world)[rank]) ** 2).mean().backward()
         if clip_by_hand is not None:
             norms.append(clip_grad_norm_(model, clip_by_hand))
+            for p in model.parameters():
+                p.grad = p.grad.bfloat16().float()
         optim.step()
         if optim.step_in_backward and optim.last_grad_norm() is not None:
             norms.append(float(optim.last_grad_norm()))
@@ -49,12 +54,14 @@ def _equal_worker(rank, world, init, out):
     torch.manual_seed(0)
     model = setup_fsdp(Net(300), mode="fsdp2")
     norms_ref = _train(model, _optim(model.parameters(), False), range(3), rank, world, clip_by_hand=1e9)
+    runs["clip_ref"] = _full_params(model)
     torch.manual_seed(0)
     model = setup_fsdp(Net(300), mode="fsdp2")
     norms = _train(model, _optim(model.parameters(), True, clip=1e9), range(3), rank, world)
+    runs["clip"] = _full_params(model)
     if rank == 0:
         torch.save({"runs": runs, "norms": (norms_ref, norms)}, out)
-    _finish()
+    end_worker()
 
 
 def test_fsdp2_equals_step_and_measures_the_global_norm(tmp_path):
@@ -63,6 +70,8 @@ def test_fsdp2_equals_step_and_measures_the_global_norm(tmp_path):
     got = torch.load(out)
     for k, v in got["runs"][False].items():
         _assert_bitwise(got["runs"][True][k], v, k)
+    for k, v in got["runs"]["clip_ref"].items():  # clip_grad_norm_ on BF16-rounded gradients
+        _assert_bitwise(got["runs"]["clip"][k], v, k)
     ref, norms = got["norms"]
     assert norms == pytest.approx(ref, rel=1e-5)
 
@@ -84,7 +93,7 @@ def _resume_worker(rank, world, init, ckpt, out):
     resumed = _full_params(model2)
     if rank == 0:
         torch.save({"straight": straight, "resumed": resumed}, out)
-    _finish()
+    end_worker()
 
 
 def test_fsdp2_dcp_resume_continues_bitwise(tmp_path):
@@ -111,7 +120,7 @@ def _ddp_worker(rank, world, init, out):
     if rank == 0:
         torch.save({"message": message, "unchanged": unchanged}, out)
     dist.barrier()
-    _finish()
+    end_worker()
 
 
 def test_plain_tensors_in_a_multi_rank_world_are_refused_before_any_update(tmp_path):
@@ -125,39 +134,51 @@ def test_plain_tensors_in_a_multi_rank_world_are_refused_before_any_update(tmp_p
 def _ddp_equal_worker(rank, world, init, out):
     _init(rank, world, init)
     runs, norms = {}, {}
-    for in_backward in (False, True):
+    for mode in ("step", "in_backward", "clipped", "step_accumulated", "accumulated"):
         torch.manual_seed(0)
         model = DDP(Net(300), bucket_cap_mb=0.05)  # several buckets
-        optim = _optim(model.parameters(), in_backward, clip=1e9 if in_backward else None)
-        if in_backward:
+        optim = _optim(model.parameters(), not mode.startswith("step"), clip=1e9 if mode == "clipped" else None)
+        if not mode.startswith("step"):
             optim.register_ddp(model)
         got = []
         for s in range(4):
             x, y = _batch(s)
+            if mode.endswith("accumulated"):  # the first half without DDP's all-reduce, nor a step
+                with model.no_sync(), optim.accumulating():
+                    ((model(x[:4].chunk(world)[rank]) - y[:4].chunk(world)[rank]) ** 2).mean().backward()
+                x, y = x[4:], y[4:]
             ((model(x.chunk(world)[rank]) - y.chunk(world)[rank]) ** 2).mean().backward()
-            if not in_backward:
+            if mode.startswith("step"):
                 got.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)))
-            else:  # stepped in backward, by the comm hook
+            elif mode in ("in_backward", "accumulated"):  # stepped in backward, by the comm hook
                 assert len(optim.state) == len(list(model.parameters()))
                 assert all(float(st["step"]) == s + 1 for st in optim.state.values())
+            else:  # clipped: DDP's reduced gradients wait for step()
+                assert all(p.grad is not None for p in model.parameters())
+                assert all(float(st["step"]) == s for st in optim.state.values())
             optim.step()
-            if in_backward:
+            if mode == "clipped":
                 got.append(float(optim.last_grad_norm()))
+            if not mode.startswith("step"):
                 assert all(p.grad is None for p in model.parameters())
             optim.zero_grad()
-        runs[in_backward] = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
-        norms[in_backward] = got
+        runs[mode] = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+        norms[mode] = got
     if rank == 0:
         torch.save({"runs": runs, "norms": norms}, out)
-    _finish()
+    end_worker()
 
 
 def test_ddp_register_ddp_equals_step(tmp_path):
     """Through DDP's comm hook each all-reduced bucket is stepped in backward: the same
-    parameters as DDP + step(), bit for bit, and the same global norm."""
+    parameters as DDP + step(), bit for bit. With clipping DDP's reduced gradients (which it
+    keeps anyway) wait for step(): the same parameters again, and the same global norm. With
+    accumulation (no_sync and accumulating() for the first micro-batch) the last one's buckets
+    step, as DDP + step() would."""
     out = tmp_path / "ddp_eq.pt"
     _spawn(_ddp_equal_worker, 2, tmp_path, str(out))
     got = torch.load(out)
-    for k, v in got["runs"][False].items():
-        _assert_bitwise(got["runs"][True][k], v, k)
-    assert got["norms"][True] == pytest.approx(got["norms"][False], rel=1e-5)
+    for mode, ref in (("in_backward", "step"), ("clipped", "step"), ("accumulated", "step_accumulated")):
+        for k, v in got["runs"][ref].items():
+            _assert_bitwise(got["runs"][mode][k], v, (mode, k))
+    assert got["norms"]["clipped"] == pytest.approx(got["norms"]["step"], rel=1e-5)

@@ -35,7 +35,7 @@ def test_flag_or_json_key_turns_it_on_and_unsupported_runs_are_refused_by_name(t
     assert cfg.step_in_backward
     lines = "\n".join(train.settings_lines(cfg))
     assert "step_in_backward: true" in lines  # the resolved config
-    assert "step in backward: ON" in lines and "clipping with the previous step's global norm" in lines
+    assert "step in backward: ON with gradient_clipping 1" in lines and "exact global norm" in lines
     # Either one turns it on: the JSON's key alone shows in the resolved config too.
     in_json = _json(tmp_path, "on", params={"step_in_backward": True})
     assert train.parse_config(["--fsdp", "--deepspeed", in_json]).step_in_backward
@@ -83,11 +83,11 @@ def test_two_ranks_train_and_resume_bitwise(tmp_path):
     full = run_ranks(*COMMON, "--step-in-backward", "--max-steps", "6", "--save-dir", str(save), "--save-interval",
                      "4", "--metrics-file", str(tmp_path / "full.jsonl"), timeout=300)
     assert "2 rank(s)" in full.stdout and "step in backward: ON" in full.stdout
-    assert "gradient_clipping 1: clipping with the previous step's global norm" in full.stdout
+    assert "step in backward: ON with gradient_clipping 1" in full.stdout
     ref = read_metrics(tmp_path / "full.jsonl")
     losses = [ref[s]["loss"] for s in (2, 4, 6)]
     assert all(math.isfinite(v) for v in losses) and losses[2] < losses[0]
-    # The clipping coefficient (from step 4's norm) is in the checkpoint: steps 5..6 repeat exactly.
+    # Resumed from step 4, steps 5..6 repeat exactly.
     run_ranks(*COMMON, "--step-in-backward", "--max-steps", "6", "--resume", str(save / "step4"),
               "--metrics-file", str(tmp_path / "resumed.jsonl"), timeout=300)
     got = read_metrics(tmp_path / "resumed.jsonl")

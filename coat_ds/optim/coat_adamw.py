@@ -5,7 +5,7 @@ import copy
 import dataclasses
 import itertools
 from collections import defaultdict
-from itertools import repeat
+from itertools import compress, repeat
 from operator import attrgetter, is_not
 
 import torch
@@ -19,7 +19,7 @@ from . import state as st
 from . import watch
 from .loading import check_state, is_fp32_layout, merge_groups
 from .group_step import GroupStep
-from .in_backward import CLIP_KEY, InBackward, InBackwardMethods, check_max_grad_norm
+from .in_backward import InBackward, InBackwardMethods, check_max_grad_norm
 from .nonfinite import SkipCounter, first_nonfinite
 
 __all__ = ["CoatAdamW", "nonfinite_groups"]
@@ -82,9 +82,10 @@ class CoatAdamW(InBackwardMethods, torch.optim.Optimizer):
             complete, and free that gradient (optim/in_backward.py; docs/optimizer.md).
             `step()` then closes the step; `accumulating()` holds the step back for
             gradient accumulation. One process, FSDP2, or DDP through `register_ddp`.
-        max_grad_norm: with step_in_backward, clip to this global norm, using the norm of
-            the previous step's gradients (the first step's moments are clipped after it);
-            None: no clipping.
+        max_grad_norm: with step_in_backward, clip to this global norm as clip_grad_norm_
+            before step() would: backward frees each FP32 gradient and keeps a BF16 copy,
+            and step() applies the update, scaled by the exact coefficient; None: no
+            clipping (the update runs in backward).
     """
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
@@ -119,8 +120,6 @@ class CoatAdamW(InBackwardMethods, torch.optim.Optimizer):
             self._skips = SkipCounter()
         if not hasattr(self, "_in_backward"):  # a copy: hooks stay with the optimizer they were made for
             self._in_backward = None
-        if self._in_backward is not None and self.param_groups:
-            self._in_backward.load_coef(self.param_groups[0].get(CLIP_KEY))
         self._drop_caches()
 
     def _drop_caches(self) -> None:
@@ -164,23 +163,23 @@ class CoatAdamW(InBackwardMethods, torch.optim.Optimizer):
         work = []
         for gi, group in enumerate(self.param_groups):
             params = group["params"]
-            if not all(map(is_not, map(_GRAD, params), repeat(None))):
-                params = [p for p in params if p.grad is not None]
+            present = list(map(is_not, map(_GRAD, params), repeat(None)))
+            if not all(present):
+                params = list(compress(params, present))
             if params:
                 work.append((gi, params))
         return work
 
     def _step_selected(self, selected, grad_scale: torch.Tensor | None, given=None) -> None:
         """Step `selected`, (param group index, parameters with a gradient) pairs, taking each
-        gradient multiplied by `grad_scale` where one is given; `given`: their gradients, in
-        order, where those are not their .grad."""
+        gradient multiplied by `grad_scale` where one is given; `given`: their gradients, one
+        list per pair, where those are not their .grad or were read already."""
         # Everything that can refuse the step is checked before any group changes.
         work, raising = [], []
-        given = iter(given) if given is not None else None
-        for gi, params in selected:
+        for k, (gi, params) in enumerate(selected):
             group = self.param_groups[gi]
             hp, cfg = self._validate(group)
-            grads = list(map(_GRAD, params)) if given is None else [next(given) for _ in params]
+            grads = list(map(_GRAD, params)) if given is None else given[k]
             prepared = self._group_steps.get(tuple(map(id, params)))
             taken = prepared.check(self.state, grads) if prepared is not None and prepared.cfg == cfg else None
             if taken is None:
@@ -269,10 +268,6 @@ class CoatAdamW(InBackwardMethods, torch.optim.Optimizer):
         on the parameter's mesh (views of the live state, see `optim/sharded.py`), so
         `torch.distributed.checkpoint` saves each rank's shard and can reshard on load."""
         sd = super().state_dict()
-        if self._in_backward is not None:
-            coef = self._in_backward.coef_value()
-            for group in sd["param_groups"]:
-                group[CLIP_KEY] = coef
         cfg_of = self._config_of()
         for pid, p in self._by_saved_id(sd["param_groups"]):
             if isinstance(p, DTensor) and pid in sd["state"]:

@@ -37,9 +37,9 @@ _numel = torch.Tensor.numel
 
 
 def _scaled(grads: list[torch.Tensor], grad_scale: torch.Tensor | None) -> list[torch.Tensor]:
-    """`grads` as `g.mul_(grad_scale)` would leave them, in new tensors (the kernels without a
-    scale argument; the Triton step applies it as it reads each gradient)."""
-    return grads if grad_scale is None else [g * grad_scale.to(g.device) for g in grads]
+    """`grads` in FP32 multiplied by `grad_scale`, in new tensors, as the Triton step scales
+    each gradient it reads (for the kernels without a scale argument)."""
+    return grads if grad_scale is None else [g.float() * grad_scale.to(g.device) for g in grads]
 
 
 def _picker(indices: list[int]):

@@ -15,14 +15,14 @@ complete and the gradient is freed, so no FP32 gradient waits for `step()`.
   callback at the end of backward. A launch on a CUDA plain parameter runs on a side
   stream, beside backward's GEMMs; `step()` makes the current stream wait for it.
 * Clipping (`max_grad_norm`): the global norm of a step's gradients is known only once
-  backward ends, after most of them were applied. Each step therefore scales its
-  gradients by min(1, max_grad_norm / (norm + 1e-6)) with the norm of the previous
-  step's gradients (torch's clip_grad_norm_ formula). The first step runs unclipped and,
-  once its norm is known, its moments are scaled as clipping would have scaled them: its
-  update m / sqrt(v) = sign(g) is a clipped step's up to eps. The current norm is
-  accumulated on the fly and kept where a non-finite one would zero every update. The
-  coefficient lives on the device (no sync) and goes into the param groups' state dict as
-  `in_backward_clip_coef`.
+  backward ends, so no update can run before then and still be clipped exactly. With
+  clipping, each bucket's FP32 gradients add to the norm and are freed, a BF16 copy kept in
+  their place (2 bytes per FP32 parameter instead of 4); `step()` scales them by torch's
+  clip_grad_norm_ coefficient, min(1, max_grad_norm / (norm + 1e-6)), as the fused kernel
+  reads them. That is step-then-clip on BF16-rounded gradients, bit for bit. (Clipping with
+  the previous step's norm instead, which keeps the update in backward, trailed
+  step-then-clip's loss by 9% on the 350m parity run: a gradient spike is applied
+  unclipped and its square stays in the second moment for ~1 / (1 - beta2) steps.)
 * Accumulation: inside `optimizer.accumulating()` the hooks do nothing and gradients
   accumulate as usual; the first backward outside it steps.
 * Groups with `nonfinite="raise"` are not stepped in backward: an exact raise needs every
@@ -36,6 +36,7 @@ import threading
 import warnings
 from collections import defaultdict
 from contextlib import nullcontext
+from operator import attrgetter
 
 import torch
 import torch.distributed as dist
@@ -43,15 +44,15 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .._compat.torch import queue_backward_callback
 from ..memory.tensors import local_tensor
-from . import state as st
-from .moment import MOMENTS, Fp8Moment
 
-__all__ = ["InBackward", "InBackwardMethods", "BUCKET_NUMEL", "CLIP_KEY"]
+__all__ = ["InBackward", "InBackwardMethods", "BUCKET_NUMEL"]
 
 # Elements of gradient held before a bucket is stepped: one launch per ~256 MB of FP32
 # gradient keeps the host cost near one fused step's while holding little memory.
 BUCKET_NUMEL = 1 << 26
-CLIP_KEY = "in_backward_clip_coef"
+_GRAD = attrgetter("grad")
+# Gradients held for a clipped step as they are; wider ones are held in BF16.
+_HELD_AS_IS = (torch.bfloat16, torch.float16)
 
 _NO_CALLBACK = ("CoatAdamW(step_in_backward=True) steps the parameters left in the last bucket of each backward in "
                 "step() instead: their gradients live until then")
@@ -64,8 +65,8 @@ def check_max_grad_norm(max_grad_norm, step_in_backward: bool):
             or not 0 < max_grad_norm < math.inf:
         raise ValueError(f"max_grad_norm must be a finite number > 0 or None, got {max_grad_norm!r}")
     if not step_in_backward:
-        raise ValueError("max_grad_norm clips inside backward (step_in_backward=True); with step() clip before "
-                         "it, e.g. torch.nn.utils.clip_grad_norm_")
+        raise ValueError("max_grad_norm is for step_in_backward=True, whose gradients are gone before a clip "
+                         "could see them; with step() clip before it, e.g. torch.nn.utils.clip_grad_norm_")
     return float(max_grad_norm)
 
 
@@ -76,26 +77,30 @@ class InBackward:
         self.opt = optimizer
         self.max_grad_norm = max_grad_norm
         self.handles: dict[int, object] = {}
+        self.hooks: dict[int, object] = {}  # id(param) -> its post-accumulate-grad hook
         self.info: dict[int, tuple[int, int]] = {}  # id(param) -> (param group index, local numel)
+        self.stream_device: torch.device | None = None  # every parameter a plain tensor on this GPU
+        self.params_device: torch.device | None = None  # the first parameter's, when that was found
         self.deferred: set[int] = set()  # param groups with nonfinite="raise"
         self.pending: dict[int, list] = defaultdict(list)
         self.pending_numel = 0
         self.in_backward = False  # a callback is queued for the running backward
         self.accumulating = False
-        self.coef = 1.0  # this step's clipping coefficient: a float until the first norm
-        self.norm_known = False  # a previous step's norm set `coef` (else the step is not clipped)
+        self.held: dict[int, tuple[list, list]] = defaultdict(lambda: ([], []))  # with clipping: BF16 gradients
         self.sumsq: dict[tuple, torch.Tensor] = {}
         self.norm: torch.Tensor | None = None
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
-        self.ddp_params: set[int] = set()  # stepped by a DDP comm hook, not by their own hook
         self.ddp_stepped: list[torch.Tensor] = []  # ... this step: step() leaves them alone
         self.lock = threading.Lock()  # DDP's comm-hook callbacks may run on other threads
 
     def watch(self, group_index: int, params) -> None:
         for p in params:
+            numel = local_tensor(p).numel()
             if p.requires_grad and id(p) not in self.handles:
-                self.handles[id(p)] = p.register_post_accumulate_grad_hook(self._ready)
-            self.info[id(p)] = (group_index, local_tensor(p).numel())
+                self.hooks[id(p)] = hook = self._hook(group_index, numel)
+                self.handles[id(p)] = p.register_post_accumulate_grad_hook(hook)
+            self.info[id(p)] = (group_index, numel)
+        self._find_stream_device()
         self._find_deferred()
         if group_index in self.deferred:
             warnings.warn("CoatAdamW(step_in_backward=True): param groups with nonfinite='raise' are stepped in "
@@ -105,28 +110,49 @@ class InBackward:
     def _find_deferred(self) -> None:
         self.deferred = {i for i, g in enumerate(self.opt.param_groups) if g["nonfinite"] == "raise"}
 
-    def remove_hooks(self) -> None:
-        for handle in self.handles.values():
-            handle.remove()
-        self.handles.clear()
+    def _find_stream_device(self) -> None:
+        """The GPU whose side stream can take every launch: where all parameters are plain
+        tensors on one CUDA device (DTensors' gradients belong to FSDP's streams)."""
+        params = [p for g in self.opt.param_groups for p in g["params"]]
+        self.params_device = params[0].device if params else None
+        devices = {p.device for p in params}
+        device = devices.pop() if len(devices) == 1 else None
+        plain = not any(isinstance(p, DTensor) for p in params)
+        self.stream_device = device if device is not None and device.type == "cuda" and plain else None
+
+    def remove_hooks(self, ids=None) -> None:
+        """Take the hooks off every parameter, or off those whose id is in `ids`."""
+        for i in list(self.handles) if ids is None else ids:
+            if i in self.handles:
+                self.handles.pop(i).remove()
+                self.hooks.pop(i)
 
     # -- during backward ------------------------------------------------------------------
 
-    def _ready(self, p: torch.Tensor) -> None:
-        # Runs once per parameter and backward: kept to a few dict and attribute reads.
-        if self.accumulating or p.grad is None or id(p) in self.ddp_params:
-            return
-        gi, numel = self.info[id(p)]
-        if gi in self.deferred:
-            return
-        if not self.in_backward:
-            self._check_world(p)
-            self._check_owned(p, gi)
-            self.in_backward = queue_backward_callback(self.end_of_backward, _NO_CALLBACK)
-        self.pending[gi].append(p)
-        self.pending_numel += numel
-        if self.pending_numel >= BUCKET_NUMEL:
-            self.flush()
+    def _hook(self, gi: int, numel: int):
+        """The post-accumulate-grad hook of a parameter of param group `gi`, `numel` local
+        elements. It runs once per parameter and backward, so it only reads what it must."""
+        pending = self.pending
+
+        def ready(p: torch.Tensor) -> None:
+            if self.accumulating or gi in self.deferred:
+                return
+            if not self.in_backward:
+                self._begin(p, gi)
+            pending[gi].append(p)
+            self.pending_numel += numel
+            if self.pending_numel >= BUCKET_NUMEL:
+                self.flush()
+
+        return ready
+
+    def _begin(self, p: torch.Tensor, gi: int) -> None:
+        """The first parameter of a backward: check the setting, queue the end's callback."""
+        if p.device != self.params_device:  # the model moved since (model.cuda())
+            self._find_stream_device()
+        self._check_world(p)
+        self._check_owned(p, gi)
+        self.in_backward = queue_backward_callback(self.end_of_backward, _NO_CALLBACK)
 
     @staticmethod
     def _check_world(p: torch.Tensor) -> None:
@@ -150,55 +176,66 @@ class InBackward:
         self.in_backward = False
         self.flush()
 
-    def _stream(self, grads: list[torch.Tensor]):
-        """The side stream for stepping `grads`: plain CUDA tensors of one device only."""
-        device = grads[0].device
-        if device.type != "cuda" or any(g.device != device or isinstance(g, DTensor) for g in grads):
+    def _stream(self):
+        """The side stream for the launches, or None (see `_find_stream_device`)."""
+        device = self.stream_device
+        if device is None:
             return None
         if device not in self.streams:
             self.streams[device] = torch.cuda.Stream(device)
         return self.streams[device]
 
     def flush(self) -> None:
-        """Step every pending parameter and free its gradient."""
+        """Step (with clipping: hold) every pending parameter and free its gradient."""
         if self.pending:
-            work, self.pending, self.pending_numel = list(self.pending.items()), defaultdict(list), 0
-            self._step_and_free(work)
+            work = [(gi, ps) for gi, ps in self.pending.items() if ps]
+            self.pending.clear()  # the hooks hold this dict
+            self.pending_numel = 0
+            (self._step_and_free if self.max_grad_norm is None else self._hold)(work)
+
+    def _hold(self, work) -> None:
+        """Add `work`'s gradients to the norm and keep them in BF16 for the clipped step."""
+        with self.lock:
+            self._add_norms([p.grad for _, ps in work for p in ps])
+            for gi, ps in work:
+                params, grads = self.held[gi]
+                for p in ps:
+                    params.append(p)
+                    grads.append(p.grad if p.grad.dtype in _HELD_AS_IS else p.grad.to(torch.bfloat16))
+                    p.grad = None
 
     def _step_and_free(self, work) -> None:
         """Step `work`, (param group index, parameters with a gradient) pairs, and free their
         gradients."""
-        params = [p for _, ps in work for p in ps]
-        grads = [p.grad for p in params]
-        stream = self._stream(grads)
+        grads = [list(map(_GRAD, ps)) for _, ps in work]
+        stream = self._stream()
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(stream.device))
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             self.step(work, grads)
         if stream is not None:
-            for g in grads:
-                g.record_stream(stream)  # freed below, reused only once the step has read it
-        for p in params:
-            p.grad = None
+            for gs in grads:
+                for g in gs:
+                    g.record_stream(stream)  # freed below, reused only once the step has read it
+        for _, ps in work:
+            for p in ps:
+                p.grad = None
 
     # -- the step ---------------------------------------------------------------------------
 
-    def step(self, work, grads: list[torch.Tensor], given: bool = False) -> None:
-        """Step `work`, (param group index, parameters) pairs, on `grads` (theirs, in order);
-        `given`: the gradients are not the parameters' .grad (DDP's reduced bucket)."""
+    def step(self, work, grads: list[list[torch.Tensor]], grad_scale=None) -> None:
+        """Step `work`, (param group index, parameters) pairs, on `grads`, one list per pair
+        (their .grad, DDP's reduced bucket or the held copies)."""
         with self.lock:
-            if self.max_grad_norm is not None:
-                self._add_norms(grads)
-            self.opt._step_selected(work, self._grad_scale(grads), grads if given else None)
+            self.opt._step_selected(work, grad_scale, grads)
 
     # -- DDP ----------------------------------------------------------------------------------
 
     def register_ddp(self, ddp_model) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-        for p in ddp_model.parameters():
-            if id(p) in self.info:
-                self.ddp_params.add(id(p))
+        # Their buckets are stepped by the comm hook below, not by their own hooks.
+        self.remove_hooks([id(p) for p in ddp_model.parameters()])
 
         def hook(state, bucket):
             return allreduce_hook(state, bucket).then(lambda fut: self._ddp_bucket_done(fut, bucket))
@@ -207,7 +244,7 @@ class InBackward:
 
     def _ddp_bucket_done(self, fut, bucket) -> torch.Tensor:
         reduced = fut.value()
-        if not self.accumulating:
+        if not self.accumulating and self.max_grad_norm is None:  # clipped: step() steps DDP's copy-back
             by_group: dict[int, tuple[list, list]] = defaultdict(lambda: ([], []))
             for p, g in zip(bucket.parameters(), bucket.gradients()):
                 gi = self.info[id(p)][0] if id(p) in self.info else None
@@ -216,18 +253,10 @@ class InBackward:
                     by_group[gi][1].append(g)
             if by_group:
                 work = [(gi, ps) for gi, (ps, _) in by_group.items()]
-                self.step(work, [g for _, gs in by_group.values() for g in gs], given=True)
+                self.step(work, [gs for _, gs in by_group.values()])
                 with self.lock:
                     self.ddp_stepped.extend(p for _, ps in work for p in ps)
         return reduced
-
-    def _grad_scale(self, grads) -> torch.Tensor | None:
-        if self.max_grad_norm is None or (not torch.is_tensor(self.coef) and self.coef == 1.0):
-            return None
-        device = local_tensor(grads[0]).device
-        if not torch.is_tensor(self.coef):
-            self.coef = torch.tensor(self.coef, dtype=torch.float32, device=device)
-        return self.coef if self.coef.device == device else self.coef.to(device)
 
     def _add_norms(self, grads: list[torch.Tensor]) -> None:
         by_key: dict[tuple, list[torch.Tensor]] = defaultdict(list)
@@ -251,58 +280,41 @@ class InBackward:
         return total
 
     def close_step(self) -> None:
-        """The end of a step (`optimizer.step()`): step what still has a gradient, wait for
-        the side streams, turn this step's norm into the next step's coefficient."""
+        """The end of a step (`optimizer.step()`): step what still has a gradient (with
+        clipping: everything, by this step's coefficient) and wait for the side streams."""
         self.flush()
         for p in self.ddp_stepped:  # DDP copied the reduced gradient back after its step
             p.grad = None
         self.ddp_stepped = []
-        work = self.opt._params_with_grads()
-        if work:
-            self._step_and_free(work)
-        for device, stream in self.streams.items():
-            torch.cuda.current_stream(device).wait_stream(stream)
         self.in_backward = False
         self._find_deferred()  # a group's option may have been changed between steps
+        work = self.opt._params_with_grads()
+        if self.max_grad_norm is None:
+            if work:
+                self._step_and_free(work)
+        else:
+            self._clipped_step(work)
+        for device, stream in self.streams.items():
+            torch.cuda.current_stream(device).wait_stream(stream)
+
+    def _clipped_step(self, work) -> None:
+        """Step the held BF16 gradients and `work` (parameters still holding theirs) scaled
+        by clip_grad_norm_'s coefficient for the global norm of all of them."""
+        if work:
+            self._add_norms([p.grad for _, ps in work for p in ps])
         total = self._global_sumsq()
-        self.sumsq = {}
-        if total is None:
-            return
-        self.norm = total.sqrt()
-        prev = self.coef if torch.is_tensor(self.coef) else torch.tensor(self.coef, device=self.norm.device)
-        new = (self.max_grad_norm / (self.norm + 1e-6)).clamp(max=1.0)
-        finite = torch.isfinite(self.norm)
-        if not self.norm_known:
-            self._clip_first_moments(torch.where(finite, new, 1.0).float())
-            self.norm_known = True
-        self.coef = torch.where(finite, new, prev.to(self.norm.device)).float()
-
-    def _clip_first_moments(self, coef: torch.Tensor) -> None:
-        """The first step ran unclipped. Its update, m / sqrt(v) = sign(g), is what a clipped
-        step gives (up to eps), but its moments would keep the unclipped scale for about
-        1 / (1 - beta2) steps and shrink every later update. So once its norm is known the
-        moments of parameters at their first step are scaled as clipping would have: m by
-        coef, v by coef**2 (an FP8 moment exactly, through its group centres)."""
-        cfg_of = self.opt._config_of()
-        for p, state in self.opt.state.items():
-            if not state or float(state["step"]) != 1:
-                continue
-            for name, power in zip(MOMENTS, (1, 2)):
-                moment = st.moment(state, name, cfg_of[id(p)])
-                if isinstance(moment, Fp8Moment):
-                    moment.scale_(coef ** power)
-                else:
-                    moment.mul_((coef ** power).to(moment.device))
-
-    # -- checkpoints ------------------------------------------------------------------------
-
-    def coef_value(self) -> float | None:
-        """The next step's coefficient for a state dict; None before any norm is known."""
-        return float(self.coef) if self.norm_known else None
-
-    def load_coef(self, value) -> None:
-        self.norm_known = value is not None
-        self.coef = 1.0 if value is None else float(value)
+        held, self.held, self.sumsq = list(self.held.items()), defaultdict(lambda: ([], [])), {}
+        coef = None  # only empty gradients: nothing to scale
+        if total is not None:
+            self.norm = total.sqrt()
+            coef = (self.max_grad_norm / (self.norm + 1e-6)).clamp(max=1.0)
+        if held:
+            self.step([(gi, ps) for gi, (ps, _) in held], [gs for _, (_, gs) in held], grad_scale=coef)
+        if work:
+            self.step(work, [list(map(_GRAD, ps)) for _, ps in work], grad_scale=coef)
+            for _, ps in work:
+                for p in ps:
+                    p.grad = None
 
 
 class InBackwardMethods:
@@ -327,6 +339,11 @@ class InBackwardMethods:
         finally:
             ib.accumulating = before
 
+    @property
+    def max_grad_norm(self) -> float | None:
+        """The global norm gradients are clipped to (step_in_backward only), or None."""
+        return None if self._in_backward is None else self._in_backward.max_grad_norm
+
     def register_ddp(self, ddp_model) -> None:
         """With step_in_backward under DDP: step each gradient bucket in backward once DDP has
         all-reduced it (a comm hook; DDP keeps its buckets, so no gradient memory is saved)."""
@@ -343,6 +360,6 @@ class InBackwardMethods:
             self._in_backward.remove_hooks()
 
     def last_grad_norm(self) -> torch.Tensor | None:
-        """With step_in_backward and max_grad_norm: the global norm of the last closed step's
+        """With step_in_backward and max_grad_norm: the global norm of the last step's
         gradients before clipping (a 0-d tensor on the device; reading it syncs), else None."""
         return None if self._in_backward is None else self._in_backward.norm

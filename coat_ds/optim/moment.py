@@ -84,11 +84,6 @@ class Fp8Moment:
         ops = get_ops(self.groups.codes.device, backend)
         return ops.dequantize_groups(self.groups, self.group_size, self.fmt)
 
-    def scale_(self, factor: torch.Tensor) -> None:
-        """Multiply every decoded value by `factor` (0-d, positive), in place and exactly:
-        the values are proportional to their group's centre."""
-        self.groups.center.mul_(factor.to(self.groups.center.device))
-
     def map(self, codes: Transform, meta: Transform) -> "Fp8Moment":
         """The same moment with `codes` applied to the codes and `meta` to each per-group
         tensor (a sharded view, a reshape, a device move)."""

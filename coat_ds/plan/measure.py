@@ -56,19 +56,24 @@ def steps_in_backward(optimizer) -> bool:
     return bool(getattr(optimizer, "step_in_backward", False))
 
 
-def in_backward_grad_bytes(params) -> int:
+def in_backward_grad_bytes(optimizer) -> int:
     """The most gradient bytes CoatAdamW(step_in_backward=True) holds during one backward
-    over `params` (this rank's shards): ready gradients wait in a bucket that is stepped once
-    it reaches `in_backward.BUCKET_NUMEL` elements, so at most BUCKET_NUMEL - 1 elements plus
-    the parameter that fills it, and never more than every gradient. Gradients the
-    optimizer keeps for step() (nonfinite="raise" groups) are left after backward and
-    measured there."""
-    sizes = [(local_tensor(p).numel(), local_tensor(p).element_size()) for p in params if p.requires_grad]
+    over its parameters (this rank's shards): ready gradients wait in a bucket that is
+    stepped (or, with clipping, held) once it reaches `in_backward.BUCKET_NUMEL` elements, so
+    at most BUCKET_NUMEL - 1 elements plus the parameter that fills it, and never more than
+    every gradient. With `max_grad_norm`, the BF16 copies held for step() as well (all of
+    them by the end of backward). Gradients the optimizer keeps for step()
+    (nonfinite="raise" groups) are left after backward and measured there."""
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    sizes = [(local_tensor(p).numel(), local_tensor(p).element_size()) for p in params]
     if not sizes:
         return 0
     total = sum(n * e for n, e in sizes)
     widest = max(e for _, e in sizes)
-    return min(total, (in_backward.BUCKET_NUMEL - 1) * widest + max(n * e for n, e in sizes))
+    bucket = min(total, (in_backward.BUCKET_NUMEL - 1) * widest + max(n * e for n, e in sizes))
+    if optimizer.max_grad_norm is None:
+        return bucket
+    return bucket + sum(n * min(e, 2) for n, e in sizes)
 
 
 class _LayerBytes:
@@ -283,14 +288,14 @@ def measure_choices(model: nn.Module, optimizer_factory: Callable, *, config: Me
                     finally:
                         applied.remove()
         opt_bytes = s.state_bytes()
+        held_bytes = in_backward_grad_bytes(s.opt) if s.stepped_in_backward else 0
     finally:
         s.close()
     grad_bytes = tuple(sum(p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad)
                        for layer in s.layers)
-    stepped = s.stepped_in_backward
     return Measurements(tuple(s.fqns), config.seq_len, str(s.device), meter_for(s.device).kind,
                         unique_storage_bytes(s.params), s.grads_bytes, opt_bytes, tuple(runs), grad_bytes,
-                        stepped, in_backward_grad_bytes(s.params) if stepped else 0)
+                        s.stepped_in_backward, held_bytes)
 
 
 def measure_plan(model: nn.Module, plan: Plan, optimizer_factory: Callable, *, config: MeasureConfig | None = None,

@@ -244,8 +244,7 @@ def measure_side(trainee: Trainee, batches: tuple[int, int], seq_len: int, vocab
         point, grads = measured
         points.append(point)
     opt = trainee.optimizer()
-    in_bwd = in_backward_grad_bytes(p for g in opt.param_groups for p in g["params"]) \
-        if steps_in_backward(opt) else 0
+    in_bwd = in_backward_grad_bytes(opt) if steps_in_backward(opt) else 0
     return SideMeasurement(
         side=name, rank=rank, meter=meter_for(trainee.device).kind,
         weights_bytes=unique_storage_bytes(trainee.weight_tensors()),
