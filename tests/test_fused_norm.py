@@ -339,3 +339,36 @@ def test_conversion_selects_probes_filters_and_keeps_identity(caplog):
     assert m["a"].fused_norm_backend == "triton"
     with pytest.raises(TypeError, match="Fp8LinearConfig"):
         fuse_rms_norms(m, config=coat_ds.ActivationConfig())
+
+
+def test_composes_with_compress_activations():
+    """With compress_activations (whose FP8 copies of saved tensors are lossy), fused norms
+    save fewer bytes (x and one rstd per row, not Hugging Face's intermediates) and their
+    gradients are as close to the uncompressed ones: mean relative error over parameters
+    within 1.1x of the unfused model's (measured 0.075 fused, 0.076 unfused)."""
+    def grads(fuse, compress):
+        m = _tiny_model("llama")
+        convert_to_fp8_linear(m, config=Fp8LinearConfig(fp8_gemm="on", backend="torch"))
+        if fuse:
+            fuse_rms_norms(m, config=Fp8LinearConfig(backend="torch"))
+        handle = coat_ds.compress_activations(m) if compress else None
+        ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            m(input_ids=ids, labels=ids).loss.backward()
+        return {n: p.grad for n, p in m.named_parameters()}, handle
+
+    exact, _ = grads(False, False)
+    errors, saved = [], []
+    for fuse in (False, True):
+        g, handle = grads(fuse, True)
+        errors.append(sum(((g[n] - e).norm() / e.norm()).item() for n, e in exact.items()) / len(exact))
+        saved.append(handle.stats().uncompressed_bytes)
+    assert errors[1] <= 1.1 * errors[0], errors
+    assert saved[1] < saved[0], saved
+
+
+def test_linear_quantize_op_with_a_handed_max_passes_opcheck():
+    """The custom op's new `amax` argument: schema, fake implementation and aliasing agree."""
+    x, w = _inputs(20, 48, torch.bfloat16, torch.bfloat16, seed=9)
+    y, _, amax = reference.rms_norm_forward(x, w, 1e-6, True)
+    torch.library.opcheck(torch.ops.coat_ds.fp8_linear_quantize.default, (y, 0, True, True, None, None, True, amax))
