@@ -110,14 +110,17 @@ def _quantize_t_kernel(x_ptr, src_ptr, exp_ptr, codes_ptr, codes_t_ptr, M, K, MP
 
 
 def linear_quantize(x: torch.Tensor, fmt="e4m3", rowwise: bool = True, transposed: bool = False,
-                    pad: int = GEMM_ALIGN, exp: torch.Tensor | None = None, guess: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+                    pad: int = GEMM_ALIGN, exp: torch.Tensor | None = None, guess: torch.Tensor | None = None,
+                    amax: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """Per-tensor FP8 of a contiguous 2-D (M, K) `x`: (codes (M, K) or None, transposed
     codes (K, M padded to a multiple of `pad`) or None, int32 exponent of shape ()), codes
     uint8 with x ~ q * 2**e; with `exp` (int32, one element, on x's device) that exponent is
     used and the max pass is skipped. With `guess` (`new_guess`'s state, on x's device) the
     codes are written with its exponent and written again only where the max says otherwise;
-    the state, updated in place, then holds the exponent found. See reference.linear_quantize."""
+    the state, updated in place, then holds the exponent found. With `amax` (int32, one
+    element: the float bits of x's finite max |x|, which the fused RMSNorm that wrote x
+    folded) the max pass is skipped and the codes are those it would give.
+    See reference.linear_quantize."""
     if x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"linear_quantize takes a contiguous 2-D tensor, got shape {tuple(x.shape)}")
     isa = kernel_isa(x.device)
@@ -129,6 +132,8 @@ def linear_quantize(x: torch.Tensor, fmt="e4m3", rowwise: bool = True, transpose
     given = exp is not None
     if given:
         src = exp.to(device=dev, dtype=torch.int32).reshape(1)
+    elif amax is not None:
+        src = amax.reshape(1)
     elif guess is not None:
         src = guess
         guess[1].zero_()
@@ -147,7 +152,7 @@ def linear_quantize(x: torch.Tensor, fmt="e4m3", rowwise: bool = True, transpose
     out = codes if codes is not None else src
     out_t = codes_t if codes_t is not None else src
     consts = (get_format(fmt).id, _BM, _BK, rowwise, transposed, given, isa)
-    guessing = guess is not None and not given
+    guessing = guess is not None and not given and amax is None
     launch(_quantize_t_kernel, n_prog, (x, src, exp, out, out_t, m, k, mp, n_k), consts + (guessing, False),
            _NUM_WARPS)
     if guessing:

@@ -22,31 +22,32 @@ def _split(codes, codes_t, e, rowwise: bool, transposed: bool):
     return (codes if rowwise else empty), (codes_t if transposed else empty), e
 
 
-def _triton_quantize(x, fmt, rowwise, transposed, exp, guess):
+def _triton_quantize(x, fmt, rowwise, transposed, exp, guess, amax):
     from .fp8_linear import linear_quantize
 
-    return linear_quantize(x.contiguous(), fmt, rowwise, transposed, GEMM_ALIGN, exp, guess)
+    return linear_quantize(x.contiguous(), fmt, rowwise, transposed, GEMM_ALIGN, exp, guess, amax)
 
 
 # `guess`: fp8_linear.new_guess's state, which the Triton kernels start from and update in
 # place (the twin ignores it). It has no default: torch 2.11 drops a trailing argument left at
 # its default before bumping the version of each mutated one, and then fails indexing it.
+# `amax`: x's finite max already found (reference.linear_quantize's), eager calls only.
 @torch.library.custom_op("coat_ds::fp8_linear_quantize", mutates_args=("guess",))
 def _quantize_op(x: torch.Tensor, fmt_id: int, rowwise: bool, transposed: bool, guess: torch.Tensor | None,
-                 exp: torch.Tensor | None = None,
-                 twin: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 exp: torch.Tensor | None = None, twin: bool = False,
+                 amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     fmt = _FORMATS[fmt_id]
     if not twin and triton_usable(x.device):
-        out = _triton_quantize(x, fmt, rowwise, transposed, exp, guess)
+        out = _triton_quantize(x, fmt, rowwise, transposed, exp, guess, amax)
     else:
-        out = reference.linear_quantize(x, fmt, rowwise, transposed, GEMM_ALIGN, exp)
+        out = reference.linear_quantize(x, fmt, rowwise, transposed, GEMM_ALIGN, exp, amax=amax)
         if exp is not None:
             out = (out[0], out[1], out[2].clone())  # a custom op's outputs may not alias its inputs
     return _split(*out, rowwise, transposed)
 
 
 @_quantize_op.register_fake
-def _(x, fmt_id, rowwise, transposed, guess, exp=None, twin=False):
+def _(x, fmt_id, rowwise, transposed, guess, exp=None, twin=False, amax=None):
     m, k = x.shape
     mp = -(-m // GEMM_ALIGN) * GEMM_ALIGN
     codes = x.new_empty((m, k) if rowwise else (0,), dtype=torch.uint8)
@@ -54,19 +55,19 @@ def _(x, fmt_id, rowwise, transposed, guess, exp=None, twin=False):
     return codes, codes_t, x.new_empty((), dtype=torch.int32)
 
 
-def _custom_quantize(x, fmt, rowwise, transposed, exp=None, split=0, guess=None, twin=False):
+def _custom_quantize(x, fmt, rowwise, transposed, exp=None, split=0, guess=None, twin=False, amax=None):
     # `split` shapes the twin's max reduction for Inductor; the Triton kernel has its own blocks.
-    codes, codes_t, e = _quantize_op(x, get_format(fmt).id, rowwise, transposed, guess, exp, twin)
+    codes, codes_t, e = _quantize_op(x, get_format(fmt).id, rowwise, transposed, guess, exp, twin, amax)
     return (codes if rowwise else None), (codes_t if transposed else None), e
 
 
-def _opaque_twin(x, fmt, rowwise, transposed, exp=None, split=0, guess=None):
+def _opaque_twin(x, fmt, rowwise, transposed, exp=None, split=0, guess=None, amax=None):
     # Not handed the guess: the twin never reads it, and a compiled graph would copy it back.
-    return _custom_quantize(x, fmt, rowwise, transposed, exp, split, twin=True)
+    return _custom_quantize(x, fmt, rowwise, transposed, exp, split, twin=True, amax=amax)
 
 
-def _torch_quantize(x, fmt, rowwise, transposed, exp=None, split=0, guess=None):
-    codes, codes_t, e = reference.linear_quantize(x, fmt, rowwise, transposed, GEMM_ALIGN, exp, split)
+def _torch_quantize(x, fmt, rowwise, transposed, exp=None, split=0, guess=None, amax=None):
+    codes, codes_t, e = reference.linear_quantize(x, fmt, rowwise, transposed, GEMM_ALIGN, exp, split, amax)
     if torch.compiler.is_compiling():
         codes, codes_t = _one_buffer(codes), _one_buffer(codes_t)
     return codes, codes_t, e

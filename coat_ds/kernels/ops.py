@@ -28,7 +28,7 @@ from .act_codec import num_groups
 from .fp8 import use_triton
 from .layout import AdamWHyper, AdamWSlot, QuantizedGroups, group_layout
 
-__all__ = ["Kernels", "kernels_for", "torch_kernels", "triton_kernels", "get_linear_ops", "flat_slots", "OP_NAMES", "BODIES"]
+__all__ = ["Kernels", "kernels_for", "torch_kernels", "triton_kernels", "get_linear_ops", "get_rms_norm_ops", "flat_slots", "OP_NAMES", "BODIES"]
 
 
 @dataclass(frozen=True)
@@ -221,11 +221,12 @@ OP_NAMES = (*BODIES, "fp8_linear_quantize")
 
 
 def get_linear_ops(device: torch.device, backend: str = "auto", opaque: bool = False):
-    """`quantize(x2d, fmt, rowwise, transposed, exp=None, split=0, guess=None) -> (codes |
-    None, codes_t | None, exp)` for tensors on `device` (`exp`: use this exponent instead of
-    reading the max; `split`: reference.linear_finite_absmax's, for the twin; `guess`: a
-    weight's fp8_linear.new_guess state on its device, which the Triton kernels start from
-    and update in place; the twin ignores it):
+    """`quantize(x2d, fmt, rowwise, transposed, exp=None, split=0, guess=None, amax=None) ->
+    (codes | None, codes_t | None, exp)` for tensors on `device` (`exp`: use this exponent
+    instead of reading the max; `split`: reference.linear_finite_absmax's, for the twin;
+    `guess`: a weight's fp8_linear.new_guess state on its device, which the Triton kernels
+    start from and update in place; the twin ignores it; `amax`: x's finite max, found by
+    the fused RMSNorm that wrote x, as int32 float bits):
     "triton" (the custom op over the Triton kernels), "torch" (the twin)
     or "auto": the twin while torch.compile traces (Inductor then fuses the casts into their
     producers) and on CPU, the Triton op on CUDA.
@@ -237,3 +238,18 @@ def get_linear_ops(device: torch.device, backend: str = "auto", opaque: bool = F
         return torch_kernels().linear_quantize
     kernels = kernels_for(device, backend, "Fp8LinearConfig.backend")
     return kernels.linear_quantize_opaque if opaque else kernels.linear_quantize
+
+
+def get_rms_norm_ops(device: torch.device, backend: str = "auto", hidden: int = 0, option: str = "backend"):
+    """`(forward, backward)` of the fused RMSNorm for rows of `hidden` elements on `device`:
+    the Triton launchers of rms_norm.py or their torch twins (reference.rms_norm_forward/
+    _backward), chosen as `kernels_for` chooses (CPU tensors reach Triton only through
+    "triton" under TRITON_INTERPRET=1); None where Triton is chosen but its kernels do not
+    take rows that wide. Raises where "triton" cannot run, naming `option`."""
+    if use_triton(device, backend, option):
+        from . import rms_norm
+
+        return (rms_norm.rms_norm_forward, rms_norm.rms_norm_backward) if hidden <= rms_norm.MAX_HIDDEN else None
+    from . import reference
+
+    return reference.rms_norm_forward, reference.rms_norm_backward

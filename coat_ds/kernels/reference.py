@@ -25,6 +25,8 @@ __all__ = [
     "linear_finite_absmax",
     "linear_quantize",
     "linear_dequantize",
+    "rms_norm_forward",
+    "rms_norm_backward",
 ]
 
 
@@ -260,8 +262,8 @@ def _exact_scaling_dtype(x: torch.Tensor) -> torch.Tensor:
 
 
 def linear_quantize(x: torch.Tensor, fmt="e4m3", rowwise: bool = True, transposed: bool = False,
-                    pad: int = 16, exp: torch.Tensor | None = None, split: int = 0
-                    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+                    pad: int = 16, exp: torch.Tensor | None = None, split: int = 0,
+                    amax: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """Per-tensor FP8 of a 2-D (M, K) `x` with a power-of-two scale 2**e from its finite max,
     or with the given int32 exponent `exp` (the max is then not read: a weight quantized
     again in backward keeps its forward scale).
@@ -269,9 +271,15 @@ def linear_quantize(x: torch.Tensor, fmt="e4m3", rowwise: bool = True, transpose
     Returns (codes (M, K) or None, transposed codes (K, M padded with zero columns to a
     multiple of `pad`) or None, int32 exponent e of shape ()); codes are uint8, x ~ q * 2**e.
     The transposed copy is what a GEMM that contracts over M (the weight gradient) reads.
-    `split`: how the max is reduced (linear_finite_absmax); it does not change the result."""
+    `split`: how the max is reduced (linear_finite_absmax); it does not change the result.
+    `amax`: that max already found, as int32 float bits of one element (rms_norm_forward's),
+    so it is not read again."""
     fmt = get_format(fmt)
-    e = linear_scale_exponent(linear_finite_absmax(x, split), fmt) if exp is None else exp.to(torch.int32).reshape(())
+    if exp is not None:
+        e = exp.to(torch.int32).reshape(())
+    else:
+        top = linear_finite_absmax(x, split) if amax is None else amax.reshape(()).view(torch.float32)
+        e = linear_scale_exponent(top, fmt)
     # A saturating cast (clamp, then torch's RNE cast) equals encode_fp8 on every non-NaN
     # value, and compiles to one Inductor kernel without encode_fp8's integer sign fix-up.
     codes = (_exact_scaling_dtype(x) * pow2(-e)).clamp(-fmt.max, fmt.max).to(fmt.dtype).view(torch.uint8)
@@ -291,3 +299,47 @@ def linear_dequantize(codes: torch.Tensor, exp: torch.Tensor, fmt="e4m3",
     finite range: the max rounds up at the top of the fp16 range, 65504 -> 65536)."""
     out_max = torch.finfo(dtype).max
     return (decode_fp8(codes, get_format(fmt)) * pow2(exp)).clamp_(-out_max, out_max).to(dtype)
+
+
+# ---- The fused RMSNorm: twins of kernels/rms_norm.py (owned by linear/norm.py) -----------
+
+
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, cast_first: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RMSNorm of `x` over its last dim: (y of x's shape, float32 rstd per row, int32 (1,)
+    float bits of max finite |y|, the linear layers' linear_finite_absmax).
+
+    Computed as Hugging Face's LlamaRMSNorm computes it, bit for bit: FP32 statistics,
+    rstd = rsqrt(mean(x^2) + eps); with `cast_first` (LlamaRMSNorm's order) n = x * rstd is
+    rounded to x's dtype and then multiplied by the weight in their promoted dtype (a
+    product of two 16-bit floats is exact in FP32, so one rounding of the FP32 product);
+    otherwise (torch.nn.RMSNorm's order) x * rstd * weight is rounded once to x's dtype."""
+    x32 = x.to(torch.float32)
+    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    n = x32 * rstd
+    if cast_first:
+        y_dtype = torch.promote_types(weight.dtype, x.dtype)
+        y = (n.to(x.dtype).to(torch.float32) * weight.to(torch.float32)).to(y_dtype)
+    else:
+        y = (n * weight.to(torch.float32)).to(x.dtype)
+    amax = linear_finite_absmax(y).reshape(1).view(torch.int32)
+    return y, rstd.reshape(-1), amax
+
+
+def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                      cast_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx in x's dtype, dweight in weight's dtype) of rms_norm_forward's y, in FP32 from
+    the saved rstd: dx = rstd * (dy*w - n * mean(dy*w * n)), n = x * rstd (the roundings
+    of forward pass the gradient through), dweight = sum over rows of dy * n, n rounded to
+    x's dtype where forward multiplied the weight by the rounded value."""
+    n_feat = x.shape[-1]
+    x32 = x.reshape(-1, n_feat).to(torch.float32)
+    dy32 = dy.reshape(-1, n_feat).to(torch.float32)
+    r = rstd.reshape(-1, 1)
+    n = x32 * r
+    dn = dy32 * weight.to(torch.float32)
+    dx = r * (dn - n * ((dn * n).sum(-1, keepdim=True) / n_feat))
+    if cast_first:
+        n = n.to(x.dtype).to(torch.float32)
+    dw = (dy32 * n).sum(0)
+    return dx.to(x.dtype).reshape(x.shape), dw.to(weight.dtype)

@@ -61,7 +61,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
         recipe = (f_in.name, fp8_gemm, backend)
         shared = shared_input.lookup(x_nd, recipe) if eager else None
         if shared is None:
-            shared = quantize(x, f_in, fp8_gemm, True, split=_input_max_split(weight))
+            # A fused RMSNorm's output comes with its max: no max pass here.
+            amax = shared_input.offered_max(x_nd) if eager else None
+            shared = quantize(x, f_in, fp8_gemm, True, split=_input_max_split(weight), amax=amax)
             if eager:
                 shared_input.remember(x_nd, recipe, shared)
         xq, xq_t, ex = shared

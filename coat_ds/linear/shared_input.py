@@ -11,7 +11,11 @@ three times, and AOTAutograd's CSE merges it into one node (Inductor may still w
 node's codes once per GEMM reading them; docs/benchmarks.md). The entry is dropped when any
 converted layer's backward starts (forward is over by then), so the last codes of a
 forward do not stay alive through backward; without a backward (inference) one entry stays
-until the next input."""
+until the next input.
+
+A fused RMSNorm (norm.py) folds its output's max while writing it and offers that max
+here, keyed the same way: the first layer reading the output quantizes with it, without a
+max pass of its own, and remembers the codes for its siblings as above."""
 from __future__ import annotations
 
 import threading
@@ -19,7 +23,7 @@ import weakref
 
 import torch
 
-__all__ = ["clear", "lookup", "remember"]
+__all__ = ["clear", "lookup", "remember", "offer_max", "offered_max"]
 
 _local = threading.local()
 
@@ -39,5 +43,22 @@ def remember(x: torch.Tensor, recipe: tuple, codes: tuple) -> None:
     _local.entry = (weakref.ref(x), x._version, recipe, codes)
 
 
+def offer_max(x: torch.Tensor, amax_bits: torch.Tensor) -> None:
+    """Offer `x`'s finite max |x| (int32 float bits, one element) to the layers reading it."""
+    _local.offer = (weakref.ref(x), x._version, amax_bits)
+
+
+def offered_max(x: torch.Tensor) -> torch.Tensor | None:
+    """The max offered for `x` (unchanged since), or None."""
+    offer = getattr(_local, "offer", None)
+    if offer is None:
+        return None
+    ref, version, amax_bits = offer
+    if ref() is not x or x._version != version:
+        return None
+    return amax_bits
+
+
 def clear() -> None:
     _local.entry = None
+    _local.offer = None

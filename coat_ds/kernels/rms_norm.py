@@ -1,0 +1,159 @@
+"""A fused RMSNorm: one pass forward, one kernel backward (the eager path of
+linear/norm.py); reference.rms_norm_forward/_backward are its torch twins.
+
+Eagerly, Hugging Face's RMSNorm is about six torch kernels, each reading a full tensor
+(cast, square, mean, rsqrt-multiply, cast, weight multiply), and its backward as many
+again. Here forward reads a row once and writes its output and its inverse RMS; it also
+folds the output's finite max |y| into one int32 (atomic_max of non-negative float bits,
+as fp8_linear's max pass does), so an FP8 linear layer reading the output gets its
+per-tensor scale without reading it again (linear/shared_input.py). Backward reads x, dy
+and the saved inverse RMS once for dx and each program's share of dweight, which a small
+sum over programs finishes.
+
+Numerics (the torch twin's, which matches the module it replaces bit for bit): x, weight
+and the statistics in FP32, rstd = 1 / sqrt(mean(x^2) + eps) with correctly rounded sqrt
+and division (torch's rsqrt on CPU). Then, CAST_FIRST (Hugging Face's LlamaRMSNorm):
+n = x * rstd rounded to x's dtype, y = weight * n rounded to the promoted dtype of weight
+and x; otherwise (torch.nn.RMSNorm, Olmo-style norms): y = x * rstd * weight rounded once
+to x's dtype. Only the row's sum of squares is reduced in another order than torch's, so
+y may differ from the twin's by one rounding of its dtype.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .act_launch import launch
+from .codec import round_to_bf16
+from .fp8_linear import _finite_abs
+
+__all__ = ["rms_norm_forward", "rms_norm_backward", "MAX_HIDDEN"]
+
+# A row is one block in registers: wider rows would spill (Hugging Face models reach 16384).
+MAX_HIDDEN = 65536
+# Dtype tags, constexpr: how a value is rounded before it is stored or reused.
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_SM_COUNT: dict = {}
+
+
+@triton.jit
+def _round_to(v, DT: tl.constexpr):
+    """float32 `v` rounded to the dtype tagged DT, still as float32. BF16 through
+    round_to_bf16: the interpreter truncates in `.to(tl.bfloat16)`."""
+    if DT == 1:
+        return round_to_bf16(v)
+    elif DT == 2:
+        return v.to(tl.float16).to(tl.float32)
+    else:
+        return v
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, amax_bits_ptr, N, eps,
+                         BLOCK: tl.constexpr, X_DT: tl.constexpr, Y_DT: tl.constexpr, CAST_FIRST: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(x * x, axis=0), tl.cast(N, tl.float32)) + eps))
+    n = x * rstd
+    if CAST_FIRST:
+        n = _round_to(n, X_DT)
+    y = _round_to(n * w, Y_DT)
+    tl.store(y_ptr + row * N + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + row, rstd)
+    # The value stored, so the max is the one a max pass over y would find.
+    tl.atomic_max(amax_bits_ptr, tl.max(_finite_abs(y), axis=0).to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, M, N, rows_per_prog,
+                         BLOCK: tl.constexpr, X_DT: tl.constexpr, CAST_FIRST: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(0, rows_per_prog):
+        r = pid * rows_per_prog + i
+        # Past the last row the bound is 0: nothing is read or written. (Not `mask & (r <
+        # M)`: the interpreter rejects a mask broadcast from a scalar.)
+        mask = cols < tl.where(r < M, N, 0)
+        offs = r.to(tl.int64) * N + cols
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + tl.minimum(r, M - 1))
+        n = x * rstd
+        dn = dy * w
+        dx = rstd * (dn - n * tl.div_rn(tl.sum(dn * n, axis=0), tl.cast(N, tl.float32)))
+        tl.store(dx_ptr + offs, _round_to(dx, X_DT).to(dx_ptr.dtype.element_ty), mask=mask)
+        if CAST_FIRST:
+            n = _round_to(n, X_DT)  # the weight multiplied the rounded value
+        dw += dy * n
+    tl.store(dw_ptr + pid.to(tl.int64) * N + cols, dw, mask=cols < N)
+
+
+def _settings(n: int) -> tuple[int, int]:
+    """(block, warps) for rows of n elements: the whole row in one block."""
+    if n > MAX_HIDDEN:
+        raise ValueError(f"fused RMSNorm takes rows of at most {MAX_HIDDEN} elements, got {n}")
+    block = triton.next_power_of_2(max(n, 1))
+    return block, 16 if block >= 8192 else 8 if block >= 2048 else 4
+
+
+def _dtype_tag(dtype: torch.dtype) -> int:
+    if dtype not in _DTYPES:
+        raise ValueError(f"fused RMSNorm takes float32, bfloat16 or float16 tensors, got {dtype}")
+    return _DTYPES[dtype]
+
+
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, cast_first: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RMSNorm of contiguous `x` over its last dim: (y of x's shape, float32 rstd per row,
+    int32 (1,) float bits of max finite |y|). y's dtype: the promoted one of weight and x
+    with `cast_first`, else x's. See reference.rms_norm_forward."""
+    if not x.is_contiguous():
+        raise ValueError("rms_norm_forward takes a contiguous tensor")
+    n = x.shape[-1]
+    m = x.numel() // max(n, 1)
+    y_dtype = torch.promote_types(weight.dtype, x.dtype) if cast_first else x.dtype
+    block, warps = _settings(n)
+    y = torch.empty(x.shape, dtype=y_dtype, device=x.device)
+    rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
+    amax_bits = torch.zeros((1,), dtype=torch.int32, device=x.device)
+    if m and n:
+        launch(_rms_norm_fwd_kernel, m, (x, weight, y, rstd, amax_bits, n, float(eps)),
+               (block, _dtype_tag(x.dtype), _dtype_tag(y_dtype), cast_first), warps)
+    return y, rstd, amax_bits
+
+
+def _programs(device: torch.device, m: int) -> int:
+    """Backward's program count: a few per SM on a GPU, so that each reduces many rows of
+    dweight in registers and the partial sums stay small; few under the interpreter."""
+    if device.type != "cuda":
+        return max(1, min(m, 4))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return max(1, min(m, 2 * _SM_COUNT[index]))
+
+
+def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                      cast_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx in x's dtype and shape, dweight in weight's dtype) for rms_norm_forward's y;
+    `dy` and `x` contiguous, of x's shape. See reference.rms_norm_backward."""
+    if not (dy.is_contiguous() and x.is_contiguous()):
+        raise ValueError("rms_norm_backward takes contiguous dy and x")
+    n = x.shape[-1]
+    m = x.numel() // max(n, 1)
+    block, warps = _settings(n)
+    dx = torch.empty_like(x)
+    if not (m and n):
+        return dx, torch.zeros_like(weight)
+    progs = _programs(x.device, m)
+    rows_per_prog = triton.cdiv(m, progs)
+    partial = torch.empty((progs, n), dtype=torch.float32, device=x.device)
+    launch(_rms_norm_bwd_kernel, progs, (dy, x, weight, rstd, dx, partial, m, n, rows_per_prog),
+           (block, _dtype_tag(x.dtype), cast_first), warps)
+    return dx, partial.sum(0).to(weight.dtype)
