@@ -3,7 +3,7 @@ from .activation import ActivationStats, activation_stats, compress_activations
 from .config import ActivationConfig, AdamWHyperparams, Fp8LinearConfig, OptimStateConfig
 from .integrations import fsdp
 from .integrations.fsdp import FsdpConfig, setup_fsdp
-from .linear import Fp8Linear, convert_to_fp8_linear, fuse_rms_norms
+from .linear import Fp8Linear, convert_to_fp8_linear, fuse_rms_norms, fuse_swiglu
 from .optim import CoatAdamW
 from .plan import ApplyConfig, Plan, apply_plan, load_plan
 
@@ -36,7 +36,7 @@ def __dir__() -> list[str]:
 
 __all__ = ["CoatAdamW", "OptimStateConfig", "AdamWHyperparams",
            "compress_activations", "ActivationConfig", "ActivationStats", "activation_stats",
-           "convert_to_fp8_linear", "Fp8Linear", "Fp8LinearConfig", "fuse_rms_norms",
+           "convert_to_fp8_linear", "Fp8Linear", "Fp8LinearConfig", "fuse_rms_norms", "fuse_swiglu",
            "fsdp", "FsdpConfig", "setup_fsdp", "deepspeed_initialize",
            "register_deepspeed", "Plan", "load_plan", "apply_plan", "ApplyConfig"]
 __version__ = "0.1.0"

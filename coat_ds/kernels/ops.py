@@ -28,7 +28,7 @@ from .act_codec import num_groups
 from .fp8 import use_triton
 from .layout import AdamWHyper, AdamWSlot, QuantizedGroups, group_layout
 
-__all__ = ["Kernels", "kernels_for", "torch_kernels", "triton_kernels", "get_linear_ops", "get_rms_norm_ops", "flat_slots", "OP_NAMES", "BODIES"]
+__all__ = ["Kernels", "kernels_for", "torch_kernels", "triton_kernels", "get_linear_ops", "get_rms_norm_ops", "get_swiglu_ops", "flat_slots", "OP_NAMES", "BODIES"]
 
 
 @dataclass(frozen=True)
@@ -253,3 +253,16 @@ def get_rms_norm_ops(device: torch.device, backend: str = "auto", hidden: int = 
     from . import reference
 
     return reference.rms_norm_forward, reference.rms_norm_backward
+
+
+def get_swiglu_ops(device: torch.device, backend: str = "auto", option: str = "backend"):
+    """`(forward, backward)` of the fused SwiGLU activation on `device`: the Triton launchers
+    of swiglu.py or their torch twins (reference.swiglu_forward/_backward), chosen as
+    `kernels_for` chooses. Raises where "triton" cannot run, naming `option`."""
+    if use_triton(device, backend, option):
+        from . import swiglu
+
+        return swiglu.swiglu_forward, swiglu.swiglu_backward
+    from . import reference
+
+    return reference.swiglu_forward, reference.swiglu_backward

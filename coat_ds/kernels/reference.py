@@ -27,6 +27,8 @@ __all__ = [
     "linear_dequantize",
     "rms_norm_forward",
     "rms_norm_backward",
+    "swiglu_forward",
+    "swiglu_backward",
 ]
 
 
@@ -343,3 +345,26 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
         n = n.to(x.dtype).to(torch.float32)
     dw = (dy32 * n).sum(0)
     return dx.to(x.dtype).reshape(x.shape), dw.to(weight.dtype)
+
+
+# ---- The fused SwiGLU: twins of kernels/swiglu.py (owned by linear/swiglu.py) --------------
+#
+# Hugging Face's eager ops themselves (F.silu, then a multiply; silu's backward op), which
+# round where the kernels do: bit-equal to Hugging Face's eager MLP on the same device.
+
+
+def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, with_max: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(h = silu(gate) * up, silu rounded to gate's dtype first; with `with_max`, the int32
+    bits of linear_finite_absmax(h) as a (1,) tensor, else None)."""
+    h = (torch.nn.functional.silu(gate) * up).contiguous()
+    amax = linear_finite_absmax(h).reshape(1).view(torch.int32) if with_max else None
+    return h, amax
+
+
+def swiglu_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dgate, dup): dup = dh * silu(gate) (silu rounded to gate's dtype), dgate = silu's
+    derivative at gate times dh * up (rounded to gate's dtype)."""
+    dup = dh * torch.nn.functional.silu(gate)
+    dgate = torch.ops.aten.silu_backward(dh * up, gate)
+    return dgate, dup
