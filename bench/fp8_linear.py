@@ -15,7 +15,8 @@ Sides: bf16 (torch AdamW fused), bf16_ckpt (+ full activation checkpointing), to
 tensorwise linears + torch AdamW), coat (CoatAdamW + compress_activations on the layers),
 coat_fp8 (coat + convert_to_fp8_linear), coat_fp8_triton (backend="triton": our quantize
 kernels as custom ops), coat_fp8_keepw (keep_weight_codes=True), coat_fp8_sib (CoatAdamW
-step_in_backward=True). Each side also reports forward, backward and step() medians
+step_in_backward=True), coat_fp8_fused (coat_fp8 + fuse_rms_norms + fuse_swiglu: eager
+speed only). Each side also reports forward, backward and step() medians
 (CUDA events between the phases; with step_in_backward the update is in the backward column). Median of --steps
 CUDA-event-timed steps after 3 warm-up steps; ratios against BF16 of the same call. With --tree,
 the --ab-sides also run from the other checkout, alternating with this tree for --rounds rounds.
@@ -33,7 +34,8 @@ import sys
 import _common as C
 import torch
 
-SIDES = ("bf16", "bf16_ckpt", "torchao", "coat", "coat_fp8", "coat_fp8_triton", "coat_fp8_keepw", "coat_fp8_sib")
+SIDES = ("bf16", "bf16_ckpt", "torchao", "coat", "coat_fp8", "coat_fp8_triton", "coat_fp8_keepw", "coat_fp8_sib",
+         "coat_fp8_fused")
 
 
 def build(shape: str, side: str, seq: int, compiled: bool):
@@ -50,6 +52,9 @@ def build(shape: str, side: str, seq: int, compiled: bool):
         # Only the options a side sets: older trees (--tree) lack the newer ones.
         kw = {"coat_fp8_triton": dict(backend="triton"), "coat_fp8_keepw": dict(keep_weight_codes=True)}.get(side, {})
         coat_ds.convert_to_fp8_linear(model, config=coat_ds.Fp8LinearConfig(**kw))
+        if side == "coat_fp8_fused":  # eager speed only: compiled, the modules run their own code
+            coat_ds.fuse_rms_norms(model)
+            coat_ds.fuse_swiglu(model)
     if side.startswith("coat"):
         layers = {id(m) for m in C.decoder_layers(model)}
         coat_ds.compress_activations(model, module_filter_fn=lambda m, fqn: id(m) in layers)

@@ -143,10 +143,23 @@ def _decode_fp8_bits(code, FMT: tl.constexpr):
 def round_to_bf16(x):
     """float32 rounded to the nearest bfloat16 value (ties to even), still as float32.
 
-    The interpreter truncates in `.to(tl.bfloat16)`; after this the cast is exact."""
+    The interpreter truncates in `.to(tl.bfloat16)`; after this the cast is exact. A NaN
+    stays NaN (one with only low mantissa bits would otherwise round to inf)."""
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
+    return tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr):
+    """float32 `x` rounded to `dtype` (bfloat16, float16 or float32; nearest, ties to even),
+    still as float32: what storing it in `dtype` keeps, so later math sees the stored value."""
+    if dtype == tl.bfloat16:
+        return round_to_bf16(x)
+    elif dtype == tl.float16:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
 
 
 @triton.jit

@@ -25,33 +25,20 @@ import triton
 import triton.language as tl
 
 from .act_launch import launch
-from .codec import round_to_bf16
+from .codec import round_to
 from .fp8_linear import _finite_abs
 
 __all__ = ["rms_norm_forward", "rms_norm_backward", "MAX_HIDDEN"]
 
 # A row is one block in registers: wider rows would spill (Hugging Face models reach 16384).
 MAX_HIDDEN = 65536
-# Dtype tags, constexpr: how a value is rounded before it is stored or reused.
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SM_COUNT: dict = {}
 
 
 @triton.jit
-def _round_to(v, DT: tl.constexpr):
-    """float32 `v` rounded to the dtype tagged DT, still as float32. BF16 through
-    round_to_bf16: the interpreter truncates in `.to(tl.bfloat16)`."""
-    if DT == 1:
-        return round_to_bf16(v)
-    elif DT == 2:
-        return v.to(tl.float16).to(tl.float32)
-    else:
-        return v
-
-
-@triton.jit
 def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, amax_bits_ptr, N, eps,
-                         BLOCK: tl.constexpr, X_DT: tl.constexpr, Y_DT: tl.constexpr, CAST_FIRST: tl.constexpr):
+                         BLOCK: tl.constexpr, CAST_FIRST: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -60,8 +47,8 @@ def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, amax_bits_ptr, N, eps,
     rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(x * x, axis=0), tl.cast(N, tl.float32)) + eps))
     n = x * rstd
     if CAST_FIRST:
-        n = _round_to(n, X_DT)
-    y = _round_to(n * w, Y_DT)
+        n = round_to(n, x_ptr.dtype.element_ty)
+    y = round_to(n * w, y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * N + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(rstd_ptr + row, rstd)
     # The value stored, so the max is the one a max pass over y would find.
@@ -70,7 +57,7 @@ def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, amax_bits_ptr, N, eps,
 
 @triton.jit
 def _rms_norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, M, N, rows_per_prog,
-                         BLOCK: tl.constexpr, X_DT: tl.constexpr, CAST_FIRST: tl.constexpr):
+                         BLOCK: tl.constexpr, CAST_FIRST: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
@@ -87,9 +74,9 @@ def _rms_norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, M, N, r
         n = x * rstd
         dn = dy * w
         dx = rstd * (dn - n * tl.div_rn(tl.sum(dn * n, axis=0), tl.cast(N, tl.float32)))
-        tl.store(dx_ptr + offs, _round_to(dx, X_DT).to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + offs, round_to(dx, x_ptr.dtype.element_ty).to(dx_ptr.dtype.element_ty), mask=mask)
         if CAST_FIRST:
-            n = _round_to(n, X_DT)  # the weight multiplied the rounded value
+            n = round_to(n, x_ptr.dtype.element_ty)  # the weight multiplied the rounded value
         dw += dy * n
     tl.store(dw_ptr + pid.to(tl.int64) * N + cols, dw, mask=cols < N)
 
@@ -102,10 +89,10 @@ def _settings(n: int) -> tuple[int, int]:
     return block, 16 if block >= 8192 else 8 if block >= 2048 else 4
 
 
-def _dtype_tag(dtype: torch.dtype) -> int:
-    if dtype not in _DTYPES:
-        raise ValueError(f"fused RMSNorm takes float32, bfloat16 or float16 tensors, got {dtype}")
-    return _DTYPES[dtype]
+def _check_dtypes(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"fused RMSNorm takes float32, bfloat16 or float16 tensors, got {t.dtype}")
 
 
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, cast_first: bool
@@ -115,6 +102,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, cast_fir
     with `cast_first`, else x's. See reference.rms_norm_forward."""
     if not x.is_contiguous():
         raise ValueError("rms_norm_forward takes a contiguous tensor")
+    _check_dtypes(x, weight)
     n = x.shape[-1]
     m = x.numel() // max(n, 1)
     y_dtype = torch.promote_types(weight.dtype, x.dtype) if cast_first else x.dtype
@@ -124,7 +112,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, cast_fir
     amax_bits = torch.zeros((1,), dtype=torch.int32, device=x.device)
     if m and n:
         launch(_rms_norm_fwd_kernel, m, (x, weight, y, rstd, amax_bits, n, float(eps)),
-               (block, _dtype_tag(x.dtype), _dtype_tag(y_dtype), cast_first), warps)
+               (block, cast_first), warps)
     return y, rstd, amax_bits
 
 
@@ -145,6 +133,7 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     `dy` and `x` contiguous, of x's shape. See reference.rms_norm_backward."""
     if not (dy.is_contiguous() and x.is_contiguous()):
         raise ValueError("rms_norm_backward takes contiguous dy and x")
+    _check_dtypes(x, weight)
     n = x.shape[-1]
     m = x.numel() // max(n, 1)
     block, warps = _settings(n)
@@ -155,5 +144,5 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     rows_per_prog = triton.cdiv(m, progs)
     partial = torch.empty((progs, n), dtype=torch.float32, device=x.device)
     launch(_rms_norm_bwd_kernel, progs, (dy, x, weight, rstd, dx, partial, m, n, rows_per_prog),
-           (block, _dtype_tag(x.dtype), cast_first), warps)
+           (block, cast_first), warps)
     return dx, partial.sum(0).to(weight.dtype)

@@ -13,8 +13,8 @@ kernel's output), and so is dh * up before silu's backward reads it (mul's backw
 output). silu(x) = x / (1 + exp(-x)) and its derivative
 sigmoid(x) * (1 + x * (1 - sigmoid(x))) are torch's formulas. Compiled, Triton's exp is the
 GPU's approximate one: an FP32 intermediate may then differ from torch's in its last bit.
-Rounding to BF16 is done in integer operations (round to nearest even): Triton's interpreter
-truncates in its own cast (1 + 3 * 2**-9 -> 1.0), and the tests run there.
+Rounding to BF16 is done in integer operations (codec.round_to; round to nearest even):
+Triton's interpreter truncates in its own cast (1 + 3 * 2**-9 -> 1.0), and the tests run there.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .act_launch import launch
+from .codec import round_to
 from .fp8_linear import _finite_abs
 
 __all__ = ["swiglu_forward", "swiglu_backward"]
@@ -34,25 +35,14 @@ _NUM_WARPS = 8
 
 
 @triton.jit
-def _round(x, dtype: tl.constexpr):
-    """FP32 `x` rounded to `dtype` (nearest even), as FP32: exactly representable in it."""
-    if dtype == tl.bfloat16:
-        bits = x.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536: 0xFFFF0000 as an int32
-        return tl.where(x == x, bits.to(tl.float32, bitcast=True), x)  # NaN stays NaN
-    else:
-        return x.to(dtype).to(tl.float32)
-
-
-@triton.jit
 def _swiglu_fwd_kernel(g_ptr, u_ptr, h_ptr, amax_bits_ptr, n, BLOCK: tl.constexpr, MAX: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     dtype = h_ptr.dtype.element_ty
-    s = _round(g / (1.0 + tl.exp(-g)), dtype)
-    h = _round(s * u, dtype)
+    s = round_to(g / (1.0 + tl.exp(-g)), dtype)
+    h = round_to(s * u, dtype)
     tl.store(h_ptr + offs, h.to(dtype), mask=mask)
     if MAX:
         # The max of the stored values, which down_proj's cast scales; masked lanes are 0.
@@ -69,11 +59,11 @@ def _swiglu_bwd_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n, BLOCK: tl.conste
     u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     dtype = dg_ptr.dtype.element_ty
     one_plus = 1.0 + tl.exp(-g)
-    s = _round(g / one_plus, dtype)
+    s = round_to(g / one_plus, dtype)
     sig = 1.0 / one_plus
-    ds = _round(dh * u, dtype)
-    tl.store(du_ptr + offs, _round(dh * s, dtype).to(dtype), mask=mask)
-    tl.store(dg_ptr + offs, _round(ds * sig * (1.0 + g * (1.0 - sig)), dtype).to(dtype), mask=mask)
+    ds = round_to(dh * u, dtype)
+    tl.store(du_ptr + offs, round_to(dh * s, dtype).to(dtype), mask=mask)
+    tl.store(dg_ptr + offs, round_to(ds * sig * (1.0 + g * (1.0 - sig)), dtype).to(dtype), mask=mask)
 
 
 def _check(name: str, *ts: torch.Tensor) -> None:
