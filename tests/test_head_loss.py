@@ -266,11 +266,14 @@ def test_with_fp8_linears_and_compressed_activations():
     assert sum(fused_db) / len(fused_db) >= sum(unfused_db) / len(unfused_db) - 0.5, (fused_db, unfused_db)
 
 
-def test_compiled_decoder_layers_still_work():
+@pytest.mark.parametrize("what", ["layers", pytest.param("model", marks=pytest.mark.slow)])
+def test_compiled_decoder_layers_or_model_still_work(what):
+    """Compiled layers (as bench/_common.compile_layers does) around the eager loss; or the
+    whole model compiled, the loss a graph break in it."""
     torch._dynamo.reset()
     plain, fused = _pair("llama", layers=1)
-    for layer in fused.model.layers:
-        layer.compile()
+    for module in fused.model.layers if what == "layers" else [fused]:
+        module.compile()
     ids, labels = _batch()
     ref, out = plain(ids, labels=labels).loss, fused(ids, labels=labels).loss
     assert abs(out.item() - ref.item()) <= 1e-5 * ref.item()

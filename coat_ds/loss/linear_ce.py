@@ -66,10 +66,10 @@ class _Chunk:
         loss = torch.where(valid, lse - picked, 0.0).sum()
         if not with_grad:
             return loss, None
-        x.div_(total)  # softmax
-        x.scatter_add_(1, target, valid.unsqueeze(1).to(x.dtype).neg())
-        # Scaled before the unlabelled rows are zeroed: a zero denominator then still leaves them 0.
-        x.mul_(scale).masked_fill_(~valid.unsqueeze(1), 0.0)
+        x.mul_(scale / total)  # softmax over the denominator, in one pass
+        x.scatter_add_(1, target, (valid * -scale).unsqueeze(1))
+        # Zeroed last: unlabelled rows get exactly 0, whatever their logits or a zero denominator made.
+        x.masked_fill_(~valid.unsqueeze(1), 0.0)
         return loss, x
 
 
