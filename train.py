@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from coat_ds import Fp8LinearConfig, compress_activations, convert_to_fp8_linear
+from coat_ds import Fp8LinearConfig, compress_activations, convert_to_fp8_linear, fuse_lm_head_loss
 from coat_ds.io.checkpoint_folders import check_new_checkpoints
 from coat_ds.train.data import DataConfig, TokenData, batch_seed, load_data
 from coat_ds.config.ds_json import gradient_clipping, load_ds_config
@@ -294,6 +294,8 @@ def train(cfg: TrainConfig) -> None:
     with torch.device(train_device()):
         model = Llama(mcfg)
     say(f"data: {data.description}\nmodel: {cfg.preset}, {mcfg.num_params() / 1e6:.2f}M params", flush=True)
+    if cfg.fused_head_loss:
+        fuse_lm_head_loss(model)  # the loss from chunks of the head's logits (the head stays nn.Linear)
     # Hooks on the unsharded modules, before either engine wraps them; the handle counts bytes.
     if cfg.fp8_linear:
         # Before the hooks and the engine: they see the converted modules.

@@ -4,6 +4,7 @@ from .config import ActivationConfig, AdamWHyperparams, Fp8LinearConfig, OptimSt
 from .integrations import fsdp
 from .integrations.fsdp import FsdpConfig, setup_fsdp
 from .linear import Fp8Linear, convert_to_fp8_linear, fuse_rms_norms, fuse_swiglu
+from .loss import fuse_lm_head_loss
 from .optim import CoatAdamW
 from .plan import ApplyConfig, Plan, apply_plan, load_plan
 
@@ -37,6 +38,7 @@ def __dir__() -> list[str]:
 __all__ = ["CoatAdamW", "OptimStateConfig", "AdamWHyperparams",
            "compress_activations", "ActivationConfig", "ActivationStats", "activation_stats",
            "convert_to_fp8_linear", "Fp8Linear", "Fp8LinearConfig", "fuse_rms_norms", "fuse_swiglu",
+           "fuse_lm_head_loss",
            "fsdp", "FsdpConfig", "setup_fsdp", "deepspeed_initialize",
            "register_deepspeed", "Plan", "load_plan", "apply_plan", "ApplyConfig"]
 __version__ = "0.1.0"

@@ -139,6 +139,9 @@ class Llama(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # Set by coat_ds.fuse_lm_head_loss: the loss from chunks of the head's logits, never all of them.
+        self.fused_head_loss = False
+        self.head_loss_chunk_tokens: int | None = None
         self.apply(self._init)
         # GPT-2's scaled init of the residual projections keeps early activations bounded.
         for name, p in self.named_parameters():
@@ -159,7 +162,14 @@ class Llama(nn.Module):
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x, cos, sin)
-        logits = self.head(self.norm(x))
+        x = self.norm(x)
+        if targets is not None and self.fused_head_loss:
+            from ..loss.fuse import head_params
+            from ..loss.linear_ce import linear_cross_entropy
+
+            weight, bias = head_params(self.head, type(self).__name__)
+            return linear_cross_entropy(x, weight, targets, bias, chunk_tokens=self.head_loss_chunk_tokens)
+        logits = self.head(x)
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))

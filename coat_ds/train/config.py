@@ -64,6 +64,7 @@ class TrainConfig:
     fp8_linear: bool = False  # FP8 GEMMs in the blocks' linear layers (coat_ds.convert_to_fp8_linear; head kept)
     fp8_keep_weight_codes: bool = False  # with fp8_linear: backward reads forward's FP8 weight (+1 byte per weight element held; under fsdp or ZeRO-3 every gathered layer's)
     step_in_backward: bool = False  # CoatAdamW steps each parameter in backward and frees its gradient (FSDP2 only; the JSON's optimizer.params "step_in_backward": true turns it on too)
+    fused_head_loss: bool = False  # the head's loss in chunks, never the full logits (coat_ds.fuse_lm_head_loss; not with DeepSpeed ZeRO-3)
     plan: str = ""  # planner's JSON: per block keep / fp8 / fp8_linear / recompute (coat_ds.apply_plan; "": none)
     memory_budget_gb: float = 0.0  # search a plan at start that fits this many GB per rank (0: none)
 
@@ -93,6 +94,7 @@ class TrainConfig:
         boolean("fp8_linear", self.fp8_linear)
         boolean("fp8_keep_weight_codes", self.fp8_keep_weight_codes)
         boolean("step_in_backward", self.step_in_backward)
+        boolean("fused_head_loss", self.fused_head_loss)
         if self.fp8_keep_weight_codes and not self.fp8_linear:
             raise ConfigError("fp8_keep_weight_codes", True, "off unless fp8_linear is on (it is an option of its layers)")
         text("plan", self.plan)
@@ -215,6 +217,10 @@ def parse_config(argv: list[str], description: str | None = None) -> TrainConfig
         # compiled blocks recompile and break on them (3x slower than eager on CPU).
         raise SystemExit(f"compile: not with ZeRO stage 3 under the DeepSpeed engine ({cfg.deepspeed}); "
                          "use --fsdp (FSDP2 shards the same way) or ZeRO stage 1/2")
+    if cfg.fused_head_loss and cfg.engine == "deepspeed" and ds.zero_stage == 3:
+        # ZeRO-3 gathers the head's weight only inside the head's own call, which the fused loss skips.
+        raise SystemExit(f"{origin.get('fused_head_loss', 'settings')}: fused_head_loss is not supported with ZeRO "
+                         f"stage 3 under the DeepSpeed engine ({cfg.deepspeed}); use --fsdp (FSDP2) or ZeRO stage 1/2")
     return _resolve_step_in_backward(cfg, ds, origin.get("step_in_backward", "settings"))
 
 
