@@ -57,6 +57,11 @@ def _(x, fmt_id, rowwise, transposed, guess, exp=None, twin=False, amax=None):
 
 def _custom_quantize(x, fmt, rowwise, transposed, exp=None, split=0, guess=None, twin=False, amax=None):
     # `split` shapes the twin's max reduction for Inductor; the Triton kernel has its own blocks.
+    if not twin and not torch.compiler.is_compiling():
+        # Eagerly the launcher itself, as the op would run it: the op's dispatch costs host
+        # time per call (issue 30: small layers wait on the host) and an empty tensor per
+        # absent output. (This table is Triton's only where Triton runs on x's device.)
+        return _triton_quantize(x, fmt, rowwise, transposed, exp, guess, amax)
     codes, codes_t, e = _quantize_op(x, get_format(fmt).id, rowwise, transposed, guess, exp, twin, amax)
     return (codes if rowwise else None), (codes_t if transposed else None), e
 
