@@ -2,8 +2,9 @@
 the torch twin; `ops.get_linear_ops` picks one from the kernel table.
 
 The custom op (with a fake implementation giving output shapes) lets torch.compile trace a
-converted layer without a graph break; the torch twin is plain torch ops, which Inductor
-fuses into the kernels around it. Triton is imported only when the op runs on a device
+converted layer without a graph break (eagerly the launcher is called directly, saving the
+op's dispatch per call); the torch twin is plain torch ops, which Inductor fuses into the
+kernels around it. Triton is imported only when the op runs on a device
 where Triton runs."""
 from __future__ import annotations
 
