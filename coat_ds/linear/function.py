@@ -43,8 +43,8 @@ def _input_max_split(weight: torch.Tensor) -> int:
 
 def _mm(a, a_fmt, sa, b_t, b_fmt, sb, out_dtype, bias=None, fast_accum=False, out=None):
     """a (M, K) row-major codes @ b_t.t() (b_t: (N, K) row-major codes): cuBLASLt's layout;
-    `sa`, `sb` their scales (_pow2 of their exponents: each made once per tensor, as eagerly
-    it costs host time per GEMM; compiled, AOTAutograd's CSE would merge repeats anyway)."""
+    `sa`, `sb` their scales (_pow2 of their exponents: eagerly each made once per tensor, as
+    it costs host time per GEMM)."""
     args = (a.view(a_fmt.dtype), b_t.view(b_fmt.dtype).t(), sa, sb)
     if out is None:
         return scaled_mm(*args, bias=bias, out_dtype=out_dtype, use_fast_accum=fast_accum)
@@ -147,7 +147,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 dx = _mm(gq, f_g, sg, wq_t, f_w, sw, ctx.out_dtype).to(ctx.x_dtype)
             if need_dw:
                 # Both transposed copies carry the same zero padding of the token dim.
-                dw = _mm(gq_t, f_g, sg, xq_t, f_in, sx, ctx.w_dtype)
+                # Compiled, the scale made again as it was traced before (graphs unchanged).
+                dw = _mm(gq_t, f_g, sg if ctx.scales is not None else _pow2(eg), xq_t, f_in, sx, ctx.w_dtype)
         elif need_dx or need_dw:
             if need_dx:
                 dx = (gy @ weight_or_codes.to(gy.dtype)).to(ctx.x_dtype)
