@@ -9,6 +9,7 @@ side in a process of its own (honest peaks).
     python bench/fp8_linear.py --shape 7b --sides coat_fp8 --trace DIR    # one step's chrome trace ...
     python bench/fp8_linear.py --gaps DIR/7b_coat_fp8.json.gz --top 12    # ... where the GPU waits (CPU)
     python bench/fp8_linear.py --saved-bytes                   # CPU: FP8 input codes held for backward
+    python bench/fp8_linear.py --census                        # CPU: ops and launches per eager step
     python bench/fp8_linear.py --shape tiny --sides bf16 coat_fp8 --eager  # CPU check of the script
 
 Sides: bf16 (torch AdamW fused), bf16_ckpt (+ full activation checkpointing), torchao (float8
@@ -38,10 +39,13 @@ SIDES = ("bf16", "bf16_ckpt", "torchao", "coat", "coat_fp8", "coat_fp8_triton", 
          "coat_fp8_fused")
 
 
-def build(shape: str, side: str, seq: int, compiled: bool):
+def build(shape: str, side: str, seq: int, compiled: bool, backend: str | None = None, dev=None, **overrides):
+    """`side`'s model and optimizer; `backend` (if given) for every coat_ds kernel, `overrides`
+    of the shape's config."""
     import coat_ds
 
-    model = C.hf_llama(shape, seq)
+    model = C.hf_llama(shape, seq, dev, **overrides)
+    be = {"backend": backend} if backend else {}
     if side == "bf16_ckpt":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if side == "torchao":
@@ -51,17 +55,21 @@ def build(shape: str, side: str, seq: int, compiled: bool):
     if side.startswith("coat_fp8"):
         # Only the options a side sets: older trees (--tree) lack the newer ones.
         kw = {"coat_fp8_triton": dict(backend="triton"), "coat_fp8_keepw": dict(keep_weight_codes=True)}.get(side, {})
-        coat_ds.convert_to_fp8_linear(model, config=coat_ds.Fp8LinearConfig(**kw))
+        cfg = coat_ds.Fp8LinearConfig(**{**kw, **be})
+        coat_ds.convert_to_fp8_linear(model, config=cfg)
         if side == "coat_fp8_fused":  # eager speed only: compiled, the modules run their own code
-            coat_ds.fuse_rms_norms(model)
-            coat_ds.fuse_swiglu(model)
+            coat_ds.fuse_rms_norms(model, **({"config": cfg} if be else {}))
+            coat_ds.fuse_swiglu(model, **({"config": cfg} if be else {}))
     if side.startswith("coat"):
         layers = {id(m) for m in C.decoder_layers(model)}
-        coat_ds.compress_activations(model, module_filter_fn=lambda m, fqn: id(m) in layers)
-        opt = coat_ds.CoatAdamW(model.parameters(), lr=1e-4, weight_decay=0.0,
+        coat_ds.compress_activations(model, **({"config": coat_ds.ActivationConfig(**be)} if be else {}),
+                                     module_filter_fn=lambda m, fqn: id(m) in layers)
+        opt = coat_ds.CoatAdamW(model.parameters(), lr=1e-4, weight_decay=0.0, **be,
                                 **({"step_in_backward": True} if side.endswith("_sib") else {}))
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=torch.cuda.is_available())
+        # Fused on the census's CPU too: one step op per tensor list, as on a GPU.
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0,
+                                fused=torch.cuda.is_available() or dev == "cpu")
     if compiled:
         C.compile_layers(model)
     return model, opt
@@ -177,6 +185,98 @@ def saved_bytes(args) -> list[str]:
             f"| one copy per layer | {separate:,} |", f"| shared / separate | {shared / separate:.3f} |"]
 
 
+# The census model: the "tiny" shape's dims (compute negligible) with 110m's 12 layers.
+CENSUS_SIDES = ("bf16", "coat_fp8", "coat_fp8_fused")
+CENSUS_LAYERS, CENSUS_BS, CENSUS_SEQ = 12, 2, 32
+
+
+def census_side(side: str, layers: int, reps: int) -> dict:
+    """One eager BF16-autocast step of `side` on CPU, every coat_ds kernel on Triton (launched
+    through the interpreter, counted but not executed: _census.py): ops and launches counted
+    in one step, coat_ds's Python calls profiled in another, host time the median of `reps`
+    more. Two warm-up steps first: the first makes the optimizer's state and plans."""
+    import _census
+
+    model, opt = build("tiny", side, CENSUS_SEQ, False, backend="triton", dev="cpu", num_hidden_layers=layers)
+    ids = torch.randint(0, model.config.vocab_size, (CENSUS_BS, CENSUS_SEQ))
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    with _census.Census(ops=False, execute=False):
+        for _ in range(2):
+            step()
+    with _census.Census(execute=False) as counted:
+        step()
+    calls, own_ms, top = _census.python_calls(step, os.path.join(str(C.TREE), "coat_ds"), execute=False)
+    host = []
+    for _ in range(reps):
+        with _census.Census(ops=False, execute=False) as timed:
+            t0 = timed.host_clock()
+            step()
+            host.append((timed.host_clock() - t0) * 1e3)
+    kinds = collections.Counter()
+    for op, n in counted.ops.items():
+        kinds[_census.kind(op)] += n
+    return {"side": side, "layers": layers, "ops": dict(counted.ops), "launches": dict(counted.launches),
+            "kinds": dict(kinds), "py_calls": calls, "py_ms": own_ms, "top_py": top[:8],
+            "host_ms": sorted(host)[len(host) // 2]}
+
+
+def census(sides, reps: int) -> tuple[list[dict], list[str]]:
+    """Per side, a 12-layer and a 1-layer step; per decoder layer = their difference / 11."""
+    os.environ["TRITON_INTERPRET"] = "1"  # read when coat_ds's kernels are defined (imported)
+    torch.manual_seed(0)
+    results = [census_side(side, n, reps) for side in sides for n in (CENSUS_LAYERS, 1)]
+    by = {(r["side"], r["layers"]): r for r in results}
+
+    def per_layer(side, get):
+        return (get(by[side, CENSUS_LAYERS]) - get(by[side, 1])) / (CENSUS_LAYERS - 1)
+
+    lines = [f"{side}: coat_ds functions by own time (ms/calls), {CENSUS_LAYERS}-layer step: "
+             + ", ".join(f"{n} {ms:.2f}/{c}" for n, c, ms in by[side, CENSUS_LAYERS]["top_py"][:6]) for side in sides]
+    return results, lines + census_top_ops(by, sides, per_layer) + census_totals(by, sides, per_layer, reps)
+
+
+def census_top_ops(by: dict, sides, per_layer, top: int = 24) -> list[str]:
+    import _census
+
+    names = collections.Counter()
+    for side in sides:
+        for key in ("launches", "ops"):
+            for op in set(by[side, CENSUS_LAYERS][key]) | set(by[side, 1][key]):
+                names[key, op] = max(names[key, op], abs(per_layer(side, lambda r: r[key].get(op, 0))))
+    lines = ["", "Per decoder layer, top ops and launches (12-layer step less 1-layer step, / 11):",
+             "| op | kind | " + " | ".join(sides) + " |", "|---|---|" + "---|" * len(sides)]
+    for (key, op), _ in names.most_common(top):
+        what = "launch" if key == "launches" else _census.kind(op)
+        lines.append(f"| {op} | {what} | "
+                     + " | ".join(f"{per_layer(s, lambda r: r[key].get(op, 0)):.1f}" for s in sides) + " |")
+    return lines
+
+
+def census_totals(by: dict, sides, per_layer, reps: int) -> list[str]:
+    lines = ["", f"Eager step, HF Llama {CENSUS_LAYERS} x (hidden 64, intermediate 128), bs {CENSUS_BS} x "
+             f"{CENSUS_SEQ}, CPU, kernels launched on Triton's interpreter, not run (host ms: median of {reps}):",
+             "| side | per | Triton launches | ops | kernel ops | alloc ops | view ops | custom ops | "
+             "coat_ds Python calls | coat_ds own ms | host ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    cols = (lambda r: sum(r["launches"].values()), lambda r: sum(r["ops"].values()),
+            *(lambda r, k=k: r["kinds"].get(k, 0) for k in ("kernel", "alloc", "view", "custom")),
+            lambda r: r["py_calls"], lambda r: r["py_ms"], lambda r: r["host_ms"])
+    for side in sides:
+        lines.append(f"| {side} | step | " + " | ".join(_num(c(by[side, CENSUS_LAYERS])) for c in cols) + " |")
+        lines.append(f"| {side} | layer | " + " | ".join(_num(per_layer(side, c)) for c in cols) + " |")
+    return lines
+
+
+def _num(x) -> str:
+    return f"{x:,}" if isinstance(x, int) else f"{x:,.1f}"
+
+
 def gaps(path: str, top: int, min_us: float = 5.0) -> list[str]:
     """A chrome trace's GPU time by kernel category, and its idle gaps, each put on the CPU op
     that launched the kernel after it."""
@@ -260,11 +360,19 @@ def main(argv=None) -> None:
     ap.add_argument("--top", type=int, default=25, help="--gaps: rows listed")
     ap.add_argument("--kernels", action="store_true", help="microbenchmark the quantize/transpose kernels")
     ap.add_argument("--saved-bytes", action="store_true", help="CPU: FP8 input codes held, shared or not")
+    ap.add_argument("--census", action="store_true", help="CPU: ops, Triton launches and coat_ds Python calls of "
+                    "one eager step per --sides (default bf16 coat_fp8 coat_fp8_fused), per decoder layer")
+    ap.add_argument("--reps", type=int, default=5, help="--census: timed steps per side")
     ap.add_argument("--log-dir", default=None, help="write each side's full output here")
     C.add_common(ap)
     args = ap.parse_args(argv)
     if args.gaps or args.saved_bytes:
         return print("\n".join(gaps(args.gaps, args.top) if args.gaps else saved_bytes(args)))
+    if args.census:
+        print(C.header(), flush=True)
+        sides = args.sides if "--sides" in (sys.argv[1:] if argv is None else argv) else CENSUS_SIDES
+        rows, lines = census(sides, args.reps)
+        return C.finish(args, "fp8_linear_census", {"rows": rows}, lines)
     if args.child:
         shape, side = args.child.split(":")
         return C.emit(run_side(args, shape, side))

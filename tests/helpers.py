@@ -119,3 +119,14 @@ def run_killed_in_save(cmd: list[str], timeout: int, pidfile=None, **env) -> str
         out = log.read()
     assert proc.returncode != 0, f"{' '.join(cmd)} was not killed inside its save\n{out[-4000:]}"
     return out
+
+
+def census():
+    """bench/_census.py: counters of the ops dispatched and Triton kernels launched (the
+    interpreter's) in a block of code."""
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    import _census
+
+    return _census

@@ -65,6 +65,7 @@ def test_script_imports_and_answers_help(name, capsys):
     (["bench/activations.py", "--tiny"], 2),
     (["bench/activations.py", "--host", "--steps", "1"], 5),
     (["bench/fp8_linear.py", "--saved-bytes"], 3),
+    (["bench/fp8_linear.py", "--census", "--reps", "1"], 6),
     (["bench/fp8_linear.py", "--shape", "tiny", "--sides", "bf16", "coat_fp8", "coat_fp8_fused", "--eager", "--bs", "2",
       "--seq", "64", "--steps", "1"], 3),
     (["bench/accuracy.py", "quant-table", "--preset", "tiny", "--steps", "3", "--zero-steps", "3"], 2),

@@ -18,7 +18,7 @@ from torch import nn
 import coat_ds
 from coat_ds import Fp8Linear, Fp8LinearConfig, convert_to_fp8_linear
 from coat_ds.kernels import reference
-from helpers import sqnr_db
+from helpers import census, sqnr_db
 
 FWD_DB, DX_DB, DW_DB = 25.0, 21.0, 21.0
 # M = 2 * 37 tokens is no multiple of 16: the transposed copies carry zero padding.
@@ -246,6 +246,29 @@ def test_backward_reuses_the_weight_exponent(monkeypatch, backend):
     wq_t_fresh = reference.linear_quantize(m.weight.detach(), "e4m3", False, True)[1]
     assert torch.equal(reference.linear_quantize(m.weight.detach(), "e4m3", False, True, exp=e_w)[1], wq_t_fresh)
     assert torch.isfinite(dx).all() and torch.isfinite(dw).all()
+
+
+@pytest.mark.parametrize("execute", [True, False])
+def test_eager_call_dispatches_only_what_it_needs(execute):
+    """Host work per call (issue 30: small layers wait on the host). Eagerly a layer calls the
+    Triton launchers itself, not through the custom op (whose dispatch costs host time and
+    an empty tensor per absent output), and turns each exponent into a GEMM scale once: x's
+    and the weight's in forward, kept for backward, and the output gradient's, read by both
+    backward GEMMs. The census counts the same whether the kernels run or not."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+    _, m = _pair(bias=False, config=Fp8LinearConfig(fp8_gemm="on", backend="triton"))
+    torch.manual_seed(4)
+    x, g = torch.randn(B, S, K), torch.randn(B, S, N)
+    _run(m, x, g)
+    with census().Census(execute=execute) as c:
+        _run(m, x, g)
+    assert c.ops["fp8_linear_quantize"] == 0, c.ops
+    assert c.ops["__lshift__"] == 3 and c.ops["_scaled_mm"] == 3, c.ops  # one scale per quantized tensor
+    # x and g: max pass and cast; weight: cast from its guess and fix-up, in backward from
+    # forward's exponent.
+    assert c.launches == {"_finite_absmax_kernel": 2, "_quantize_t_kernel": 5}, c.launches
+    assert sum(c.ops.values()) <= 55, c.ops  # 75 before the launchers were called directly
 
 
 def test_weight_guess_is_the_layers_not_the_address():

@@ -130,10 +130,12 @@ def linear_quantize(x: torch.Tensor, fmt="e4m3", rowwise: bool = True, transpose
     codes = torch.empty((m, k), dtype=torch.uint8, device=dev) if rowwise else None
     codes_t = torch.empty((k, mp), dtype=torch.uint8, device=dev) if transposed else None
     given = exp is not None
+    # One-element tensors of any shape: the kernels read their first element (a reshape
+    # would be one more op per call on the host).
     if given:
-        src = exp.to(device=dev, dtype=torch.int32).reshape(1)
+        src = exp.to(device=dev, dtype=torch.int32)
     elif amax is not None:
-        src = amax.reshape(1)
+        src = amax
     elif guess is not None:
         src = guess
         guess[1].zero_()

@@ -2,8 +2,9 @@
 the torch twin; `ops.get_linear_ops` picks one from the kernel table.
 
 The custom op (with a fake implementation giving output shapes) lets torch.compile trace a
-converted layer without a graph break; the torch twin is plain torch ops, which Inductor
-fuses into the kernels around it. Triton is imported only when the op runs on a device
+converted layer without a graph break (eagerly the launcher is called directly, saving the
+op's dispatch per call); the torch twin is plain torch ops, which Inductor fuses into the
+kernels around it. Triton is imported only when the op runs on a device
 where Triton runs."""
 from __future__ import annotations
 
@@ -57,6 +58,11 @@ def _(x, fmt_id, rowwise, transposed, guess, exp=None, twin=False, amax=None):
 
 def _custom_quantize(x, fmt, rowwise, transposed, exp=None, split=0, guess=None, twin=False, amax=None):
     # `split` shapes the twin's max reduction for Inductor; the Triton kernel has its own blocks.
+    if not twin and not torch.compiler.is_compiling():
+        # Eagerly the launcher itself, as the op would run it: the op's dispatch costs host
+        # time per call (issue 30: small layers wait on the host) and an empty tensor per
+        # absent output. (This table is Triton's only where Triton runs on x's device.)
+        return _triton_quantize(x, fmt, rowwise, transposed, exp, guess, amax)
     codes, codes_t, e = _quantize_op(x, get_format(fmt).id, rowwise, transposed, guess, exp, twin, amax)
     return (codes if rowwise else None), (codes_t if transposed else None), e
 

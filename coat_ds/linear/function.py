@@ -41,9 +41,11 @@ def _input_max_split(weight: torch.Tensor) -> int:
     return _MAX_SPLIT if weight.shape[1] > weight.shape[0] else 0
 
 
-def _mm(a, a_fmt, ea, b_t, b_fmt, eb, out_dtype, bias=None, fast_accum=False, out=None):
-    """a (M, K) row-major codes @ b_t.t() (b_t: (N, K) row-major codes): cuBLASLt's layout."""
-    args = (a.view(a_fmt.dtype), b_t.view(b_fmt.dtype).t(), _pow2(ea), _pow2(eb))
+def _mm(a, a_fmt, sa, b_t, b_fmt, sb, out_dtype, bias=None, fast_accum=False, out=None):
+    """a (M, K) row-major codes @ b_t.t() (b_t: (N, K) row-major codes): cuBLASLt's layout;
+    `sa`, `sb` their scales (_pow2 of their exponents: eagerly each made once per tensor, as
+    it costs host time per GEMM)."""
+    args = (a.view(a_fmt.dtype), b_t.view(b_fmt.dtype).t(), sa, sb)
     if out is None:
         return scaled_mm(*args, bias=bias, out_dtype=out_dtype, use_fast_accum=fast_accum)
     return scaled_mm(*args, bias=bias, out_dtype=out_dtype, use_fast_accum=fast_accum, out=out)
@@ -63,11 +65,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if shared is None:
             # A fused RMSNorm's output comes with its max: no max pass here.
             amax = shared_input.offered_max(x_nd) if eager else None
-            shared = quantize(x, f_in, fp8_gemm, True, split=_input_max_split(weight), amax=amax)
+            xq, xq_t, ex = quantize(x, f_in, fp8_gemm, True, split=_input_max_split(weight), amax=amax)
+            shared = (xq, xq_t, ex, _pow2(ex) if fp8_gemm else None)
             if eager:
                 shared_input.remember(x_nd, recipe, shared)
-        xq, xq_t, ex = shared
-        ew = wq_t = None
+        xq, xq_t, ex, sx = shared
+        ew = wq_t = sw = None
         keep_w = keep_w and fp8_gemm
         if fp8_gemm:
             # Our kernels start from the exponent in w_guess, the weight's last step's, and
@@ -80,6 +83,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 wq, wq_t, ew = get_linear_ops(x.device, backend, opaque=True)(weight, f_w, True, True, guess=w_guess)
             else:
                 wq, _, ew = quantize(weight, f_w, True, False, guess=w_guess)
+            sw = _pow2(ew)
             # cuBLASLt takes a bias only with a 16-bit output; an FP32 one is added after.
             fused_bias = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
             b = bias.to(out_dtype) if fused_bias else None
@@ -87,18 +91,22 @@ class _Fp8LinearFunction(torch.autograd.Function):
             if torch.compiler.is_compiling():
                 # Functional, as measured on the H100: an out= call would be functionalized
                 # into a GEMM plus a copy.
-                y = _mm(xq, f_in, ex, wq, f_w, ew, out_dtype, b, fast_accum).view(*x_nd.shape[:-1], n)
+                y = _mm(xq, f_in, sx, wq, f_w, sw, out_dtype, b, fast_accum).view(*x_nd.shape[:-1], n)
             else:
                 # Eagerly written into the N-D output: a reshaped view as a module's output
                 # trips FSDP2's check on outputs that are views.
                 y = x.new_empty((*x_nd.shape[:-1], n), dtype=out_dtype)
-                _mm(xq, f_in, ex, wq, f_w, ew, out_dtype, b, fast_accum, out=y.view(-1, n))
+                _mm(xq, f_in, sx, wq, f_w, sw, out_dtype, b, fast_accum, out=y.view(-1, n))
             if bias is not None and not fused_bias:
                 y = y + bias.to(out_dtype)
         else:
             y = torch.nn.functional.linear(x_nd.to(out_dtype), weight.to(out_dtype),
                                            None if bias is None else bias.to(out_dtype))
         ctx.save_for_backward(xq_t, ex, wq_t if keep_w else weight, ew)
+        # Eagerly the scales go to backward as they are (four bytes each, not through the
+        # saved-tensor hooks); compiled, backward makes them again from the saved exponents
+        # as it always has, and the partitioner decides.
+        ctx.scales = (sx, sw) if eager and fp8_gemm else None
         ctx.keep_w, ctx.w_dtype = keep_w, weight.dtype
         ctx.fmts, ctx.fp8_gemm, ctx.backend = (f_in, f_w, f_g), fp8_gemm, backend
         ctx.m, ctx.x_dtype, ctx.x_shape, ctx.has_bias = x.shape[0], x.dtype, x_nd.shape, bias is not None
@@ -124,6 +132,11 @@ class _Fp8LinearFunction(torch.autograd.Function):
             # unsplit, Inductor had the producer write both in BF16 for two max kernels to
             # read (-0.46 ms per 7B layer on an H100; docs/benchmarks.md).
             gq, gq_t, eg = quantize(gy, f_g, need_dx, need_dw, split=_MAX_SPLIT)
+            sg = _pow2(eg)
+            if ctx.scales is not None:
+                sx, sw = ctx.scales
+            else:
+                sx, sw = (_pow2(ex) if need_dw else None), (_pow2(ew) if need_dx else None)
             if need_dx:
                 # The forward scale, so no max pass over the weight again: the weight has
                 # not changed, and the codes equal forward's.
@@ -131,10 +144,11 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 # In the compute dtype, then cast, as nn.Linear under autocast does: an FP32
                 # input (an FP32 RMSNorm's output) would otherwise get an FP32 GEMM output,
                 # twice the bytes written and read again by the next kernel.
-                dx = _mm(gq, f_g, eg, wq_t, f_w, ew, ctx.out_dtype).to(ctx.x_dtype)
+                dx = _mm(gq, f_g, sg, wq_t, f_w, sw, ctx.out_dtype).to(ctx.x_dtype)
             if need_dw:
                 # Both transposed copies carry the same zero padding of the token dim.
-                dw = _mm(gq_t, f_g, eg, xq_t, f_in, ex, ctx.w_dtype)
+                # Compiled, the scale made again as it was traced before (graphs unchanged).
+                dw = _mm(gq_t, f_g, sg if ctx.scales is not None else _pow2(eg), xq_t, f_in, sx, ctx.w_dtype)
         elif need_dx or need_dw:
             if need_dx:
                 dx = (gy @ weight_or_codes.to(gy.dtype)).to(ctx.x_dtype)
