@@ -17,7 +17,8 @@ tensorwise linears + torch AdamW), coat (CoatAdamW + compress_activations on the
 coat_fp8 (coat + convert_to_fp8_linear), coat_fp8_triton (backend="triton": our quantize
 kernels as custom ops), coat_fp8_keepw (keep_weight_codes=True), coat_fp8_sib (CoatAdamW
 step_in_backward=True), coat_fp8_fused (coat_fp8 + fuse_rms_norms + fuse_swiglu: eager
-speed only). Each side also reports forward, backward and step() medians
+speed only), coat_fp8_sib_headloss (coat_fp8_sib + fuse_lm_head_loss: no full logits).
+Each side also reports forward, backward and step() medians
 (CUDA events between the phases; with step_in_backward the update is in the backward column). Median of --steps
 CUDA-event-timed steps after 3 warm-up steps; ratios against BF16 of the same call. With --tree,
 the --ab-sides also run from the other checkout, alternating with this tree for --rounds rounds.
@@ -36,7 +37,7 @@ import _common as C
 import torch
 
 SIDES = ("bf16", "bf16_ckpt", "torchao", "coat", "coat_fp8", "coat_fp8_triton", "coat_fp8_keepw", "coat_fp8_sib",
-         "coat_fp8_fused")
+         "coat_fp8_fused", "coat_fp8_sib_headloss")
 
 
 def build(shape: str, side: str, seq: int, compiled: bool, backend: str | None = None, dev=None, **overrides):
@@ -65,7 +66,9 @@ def build(shape: str, side: str, seq: int, compiled: bool, backend: str | None =
         coat_ds.compress_activations(model, **({"config": coat_ds.ActivationConfig(**be)} if be else {}),
                                      module_filter_fn=lambda m, fqn: id(m) in layers)
         opt = coat_ds.CoatAdamW(model.parameters(), lr=1e-4, weight_decay=0.0, **be,
-                                **({"step_in_backward": True} if side.endswith("_sib") else {}))
+                                **({"step_in_backward": True} if "_sib" in side else {}))
+        if side.endswith("_headloss"):
+            coat_ds.fuse_lm_head_loss(model)
     else:
         # Fused on the census's CPU too: one step op per tensor list, as on a GPU.
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0,
