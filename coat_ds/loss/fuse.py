@@ -52,9 +52,7 @@ def fuse_lm_head_loss(model: nn.Module, *, chunk_tokens: int | None = None) -> n
     if isinstance(chunk_tokens, bool) or not (chunk_tokens is None or (isinstance(chunk_tokens, int)
                                                                        and chunk_tokens >= 1)):
         raise ValueError(f"fuse_lm_head_loss: chunk_tokens must be a positive int or None, got {chunk_tokens!r}")
-    from ..models.llama import Llama
-
-    if isinstance(model, Llama):
+    if hasattr(model, "fused_head_loss"):  # coat_ds.models.llama.Llama (not imported: it imports this package)
         model.fused_head_loss, model.head_loss_chunk_tokens = True, chunk_tokens
         return model
     hf_class = _hf_class(type(model))
