@@ -18,8 +18,10 @@ import os
 import pstats
 import time
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from coat_ds._compat.torch import custom_op_function
+from coat_ds._compat.triton import interpreted_launches
 
 __all__ = ["Census", "VIEW_OPS", "ALLOC_OPS", "kind", "python_calls"]
 
@@ -42,16 +44,6 @@ def kind(op: str) -> str:
     return "alloc" if op in ALLOC_OPS else "custom" if op in CUSTOM_OPS else "kernel"
 
 
-def _custom_impl(func):
-    """The Python implementation of one of coat_ds's torch.library custom ops, run with the
-    census active so that the ops inside it are counted (the mode is off while its handler
-    runs the op itself). torch._library.custom_ops: private, checked on torch 2.13."""
-    from torch._library.custom_ops import _maybe_get_opdef
-
-    opdef = _maybe_get_opdef(func)
-    return None if opdef is None else opdef._init_fn
-
-
 class _OpCounter(TorchDispatchMode):
     def __init__(self, census: "Census"):
         super().__init__()
@@ -65,7 +57,9 @@ class _OpCounter(TorchDispatchMode):
         name = func.overloadpacket.__name__
         census.ops[name] += 1
         if func.namespace == "coat_ds":
-            impl = _custom_impl(func)
+            # Its Python function, run with the census active so that the ops inside it are
+            # counted (the mode is off while its handler runs the op itself).
+            impl = custom_op_function(func)
             if impl is not None:
                 with self:
                     return impl(*args, **kwargs)
@@ -90,24 +84,20 @@ class Census:
         self.execute = execute
         self._mode = _OpCounter(self) if ops else None
 
+    def _launch(self, fn, run):
+        self.launches[fn.__name__] += 1
+        if not self.execute:
+            return None
+        t0, self.in_kernel = time.perf_counter(), True
+        try:
+            return run()
+        finally:
+            self.in_kernel = False
+            self.kernel_s += time.perf_counter() - t0
+
     def __enter__(self) -> "Census":
-        from triton.runtime.interpreter import InterpretedFunction
-
-        self._cls, self._run = InterpretedFunction, InterpretedFunction.run
-        census, run = self, self._run
-
-        def counted_run(fn, *args, **kwargs):
-            census.launches[fn.__name__] += 1
-            if not census.execute:
-                return None
-            t0, census.in_kernel = time.perf_counter(), True
-            try:
-                return run(fn, *args, **kwargs)
-            finally:
-                census.in_kernel = False
-                census.kernel_s += time.perf_counter() - t0
-
-        InterpretedFunction.run = counted_run
+        self._hook = interpreted_launches(self._launch)
+        self._hook.__enter__()
         if self._mode is not None:
             self._mode.__enter__()
         return self
@@ -115,7 +105,7 @@ class Census:
     def __exit__(self, *exc) -> None:
         if self._mode is not None:
             self._mode.__exit__(*exc)
-        self._cls.run = self._run
+        self._hook.__exit__(*exc)
 
     def host_clock(self) -> float:
         """Wall time less the interpreter's kernel time: a clock that stops in kernels."""

@@ -24,7 +24,7 @@ from . import warn_once
 
 __all__ = ["CHECKED", "DeepSpeedInternalsError", "installed_version", "known_config_words", "zero_tested",
            "mark_zero_tested", "ZeroLayout", "zero_layout", "set_full_fp32_param", "fp32_partitions",
-           "refresh_lp_params", "zero3_param_groups_filled", "release_zero3_references", "comm_op_build"]
+           "refresh_lp_params", "zero3_param_groups_filled", "release_zero3_references", "zero3_partitioned", "comm_op_build"]
 
 CHECKED = "0.19.8"
 
@@ -270,6 +270,14 @@ def zero3_param_groups_filled(zopt):
 
 
 # -- ZeRO-3's module-level references -----------------------------------------------------
+
+def zero3_partitioned(param: torch.Tensor) -> bool:
+    """Whether ZeRO-3 manages `param`: it then holds only this rank's partition (an empty
+    tensor) outside its module's own call. ZeRO-3 marks its parameters with `ds_id`; an empty
+    weight is taken as partitioned too, so the answer needs no DeepSpeed import and holds
+    where that attribute is renamed."""
+    return hasattr(param, "ds_id") or param.numel() == 0
+
 
 _COORDINATOR_CACHE = "_PartitionedParameterCoordinator__params_to_release"
 

@@ -21,7 +21,7 @@ __all__ = [
     "activation_memory_budget", "raise_recompile_limit", "current_graph_task_id", "top_saved_tensors_hooks",
     "TRACED_TENSOR_TYPES", "autograd_node_classes", "flex_attention_backward_node", "detach_unseen",
     "HAS_SAVED_TENSOR_HOOK_CONTEXT", "saved_tensor_hook_context", "static_input_indices", "force_stride_order",
-    "HAS_SCALED_MM", "scaled_mm", "queue_backward_callback",
+    "HAS_SCALED_MM", "scaled_mm", "queue_backward_callback", "custom_op_function",
 ]
 
 VERSION = torch.__version__
@@ -135,6 +135,21 @@ def queue_backward_callback(fn, fallback: str) -> bool:
         return False
     _engine_queue_callback(fn)
     return True
+
+
+_maybe_get_opdef = _find("torch._library.custom_ops", "_maybe_get_opdef")
+
+
+def custom_op_function(op):
+    """The Python function behind a torch.library.custom_op `op` (an OpOverload), or None
+    where `op` is not one (torch._library.custom_ops._maybe_get_opdef and the definition's
+    `_init_fn`; checked on 2.13). Fallback where that is missing: None, warning once (the
+    caller then treats the op as opaque)."""
+    if _maybe_get_opdef is None:
+        _warn("torch._library.custom_ops._maybe_get_opdef", "custom ops are taken as opaque")
+        return None
+    opdef = _maybe_get_opdef(op)
+    return None if opdef is None else getattr(opdef, "_init_fn", None)
 
 
 _top_hooks = getattr(getattr(torch._C, "_autograd", None), "_top_saved_tensors_default_hooks", None)

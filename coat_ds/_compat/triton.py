@@ -22,13 +22,15 @@ arguments of another.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from functools import lru_cache
 
 import torch
 
 from . import warn_once
 
-__all__ = ["TRITON_MIN", "DIRECT_LAUNCH", "parse_version", "triton_version", "specialization_key", "fast_launcher"]
+__all__ = ["TRITON_MIN", "DIRECT_LAUNCH", "parse_version", "triton_version", "specialization_key", "fast_launcher",
+           "interpreted_launches"]
 
 # Older versions get the torch reference kernels (coat_ds.kernels.fp8 logs it).
 TRITON_MIN = (3, 6)
@@ -136,3 +138,28 @@ def fast_launcher(kernel):
                    None, *args, *consts)
 
     return launch
+
+
+@contextmanager
+def interpreted_launches(on_launch):
+    """Within the block, every kernel launch under TRITON_INTERPRET=1 calls
+    `on_launch(fn, run)` instead, where `fn` is the kernel and `run()` launches it: the
+    interpreter's `InterpretedFunction.run`, wrapped (not public; checked on Triton 3.9).
+    Raises RuntimeError where that is missing: there is no other place every interpreted
+    launch passes through, and a count without it would be silently wrong."""
+    from triton.runtime import interpreter
+
+    cls = getattr(interpreter, "InterpretedFunction", None)
+    original = getattr(cls, "run", None)
+    if original is None:
+        raise RuntimeError(f"Triton {triton_version()} has no triton.runtime.interpreter.InterpretedFunction.run "
+                           "to count interpreted launches by")
+
+    def run(fn, *args, **kwargs):
+        return on_launch(fn, lambda: original(fn, *args, **kwargs))
+
+    cls.run = run
+    try:
+        yield
+    finally:
+        cls.run = original

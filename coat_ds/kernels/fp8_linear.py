@@ -118,8 +118,8 @@ def linear_quantize(x: torch.Tensor, fmt="e4m3", rowwise: bool = True, transpose
     used and the max pass is skipped. With `guess` (`new_guess`'s state, on x's device) the
     codes are written with its exponent and written again only where the max says otherwise;
     the state, updated in place, then holds the exponent found. With `amax` (int32, one
-    element: the float bits of x's finite max |x|, which the fused RMSNorm that wrote x
-    folded) the max pass is skipped and the codes are those it would give.
+    element: the float bits of x's finite max |x|, which the fused RMSNorm or SwiGLU that
+    wrote x folded) the max pass is skipped and the codes are those it would give.
     See reference.linear_quantize."""
     if x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"linear_quantize takes a contiguous 2-D tensor, got shape {tuple(x.shape)}")

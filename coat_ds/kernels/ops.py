@@ -226,7 +226,7 @@ def get_linear_ops(device: torch.device, backend: str = "auto", opaque: bool = F
     instead of reading the max; `split`: reference.linear_finite_absmax's, for the twin;
     `guess`: a weight's fp8_linear.new_guess state on its device, which the Triton kernels
     start from and update in place; the twin ignores it; `amax`: x's finite max, found by
-    the fused RMSNorm that wrote x, as int32 float bits):
+    the fused RMSNorm or SwiGLU that wrote x, as int32 float bits):
     "triton" (the custom op over the Triton kernels), "torch" (the twin)
     or "auto": the twin while torch.compile traces (Inductor then fuses the casts into their
     producers) and on CPU, the Triton op on CUDA.

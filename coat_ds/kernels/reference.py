@@ -274,7 +274,8 @@ def linear_quantize(x: torch.Tensor, fmt="e4m3", rowwise: bool = True, transpose
     multiple of `pad`) or None, int32 exponent e of shape ()); codes are uint8, x ~ q * 2**e.
     The transposed copy is what a GEMM that contracts over M (the weight gradient) reads.
     `split`: how the max is reduced (linear_finite_absmax); it does not change the result.
-    `amax`: that max already found, as int32 float bits of one element (rms_norm_forward's),
+    `amax`: that max already found, as int32 float bits of one element (rms_norm_forward's or
+    swiglu_forward's),
     so it is not read again."""
     fmt = get_format(fmt)
     if exp is not None:

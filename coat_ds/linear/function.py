@@ -63,7 +63,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         recipe = (f_in.name, fp8_gemm, backend)
         shared = shared_input.lookup(x_nd, recipe) if eager else None
         if shared is None:
-            # A fused RMSNorm's output comes with its max: no max pass here.
+            # A fused RMSNorm's or SwiGLU's output comes with its max: no max pass here.
             amax = shared_input.offered_max(x_nd) if eager else None
             xq, xq_t, ex = quantize(x, f_in, fp8_gemm, True, split=_input_max_split(weight), amax=amax)
             shared = (xq, xq_t, ex, _pow2(ex) if fp8_gemm else None)

@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..config import Fp8LinearConfig
 from ..kernels import reference
@@ -56,14 +57,6 @@ class _FusedRMSNormFunction(torch.autograd.Function):
         return dx, dw, None, None, None
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return False
-    return isinstance(t, DTensor)
-
-
 def _eps(eps: float | None) -> float:
     """torch.nn.RMSNorm's eps=None is FP32's epsilon for every input dtype we take (the
     opmath type's, measured on CPU, where its docs say the input's; the probe checks it)."""
@@ -74,7 +67,7 @@ def _fusable(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether the kernels take this input and weight (else the module's own code runs, and
     raises where the shapes do not fit)."""
     return (x.dtype in _FLOATS and w.dtype in _FLOATS and w.dim() == 1 and w.is_contiguous() and x.dim() > 0
-            and x.shape[-1] == w.shape[0] and x.device == w.device and not _is_dtensor(w) and not _is_dtensor(x))
+            and x.shape[-1] == w.shape[0] and x.device == w.device and not isinstance(w, DTensor) and not isinstance(x, DTensor))
 
 
 class _FusedRMSNorm(nn.Module):

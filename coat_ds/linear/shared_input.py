@@ -13,8 +13,8 @@ converted layer's backward starts (forward is over by then), so the last codes o
 forward do not stay alive through backward; without a backward (inference) one entry stays
 until the next input.
 
-A fused RMSNorm (norm.py) folds its output's max while writing it and offers that max
-here, keyed the same way: the first layer reading the output quantizes with it, without a
+A fused RMSNorm (norm.py) or SwiGLU (swiglu.py) folds its output's max while writing it
+and offers that max here, keyed the same way: the first layer reading the output quantizes with it, without a
 max pass of its own, and remembers the codes for its siblings as above."""
 from __future__ import annotations
 
@@ -28,15 +28,18 @@ __all__ = ["clear", "lookup", "remember", "offer_max", "offered_max"]
 _local = threading.local()
 
 
+def _kept(slot: str, x: torch.Tensor) -> tuple | None:
+    """What `slot` keeps for `x` itself (the same object, unchanged since), or None."""
+    held = getattr(_local, slot, None)
+    if held is None or held[0]() is not x or x._version != held[1]:
+        return None
+    return held[2:]
+
+
 def lookup(x: torch.Tensor, recipe: tuple) -> tuple | None:
     """The codes remembered for `x` under `recipe`, or None."""
-    entry = getattr(_local, "entry", None)
-    if entry is None:
-        return None
-    ref, version, entry_recipe, codes = entry
-    if ref() is not x or x._version != version or entry_recipe != recipe:
-        return None
-    return codes
+    kept = _kept("entry", x)
+    return kept[1] if kept is not None and kept[0] == recipe else None
 
 
 def remember(x: torch.Tensor, recipe: tuple, codes: tuple) -> None:
@@ -50,13 +53,8 @@ def offer_max(x: torch.Tensor, amax_bits: torch.Tensor) -> None:
 
 def offered_max(x: torch.Tensor) -> torch.Tensor | None:
     """The max offered for `x` (unchanged since), or None."""
-    offer = getattr(_local, "offer", None)
-    if offer is None:
-        return None
-    ref, version, amax_bits = offer
-    if ref() is not x or x._version != version:
-        return None
-    return amax_bits
+    kept = _kept("offer", x)
+    return None if kept is None else kept[0]
 
 
 def clear() -> None:

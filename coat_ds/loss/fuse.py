@@ -12,7 +12,9 @@ import inspect
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from .._compat.deepspeed import zero3_partitioned
 from .linear_ce import IGNORE_INDEX, linear_cross_entropy
 
 __all__ = ["fuse_lm_head_loss", "SUPPORTED"]
@@ -154,20 +156,13 @@ def head_params(head: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor 
                         "fuse_lm_head_loss; the fused loss computes the head itself, so it must stay nn.Linear "
                         "(convert_to_fp8_linear leaves it so by default; FSDP1 must not wrap it on its own)")
     weight = head.weight
-    if hasattr(weight, "ds_id") or weight.numel() == 0:
+    if zero3_partitioned(weight):
         raise RuntimeError(f"fuse_lm_head_loss: {name}'s LM head weight is partitioned (DeepSpeed ZeRO-3 "
                            f"gathers it only inside the head's own call; shape {tuple(weight.shape)}); the fused "
                            "head loss does not support ZeRO-3: use ZeRO-1/2 or FSDP2, or leave it off")
-    if _is_dtensor(weight):
+    if isinstance(weight, DTensor):
         raise RuntimeError(f"fuse_lm_head_loss: {name}'s LM head weight is a sharded DTensor during forward: "
                            "the head was sharded on its own (fully_shard(lm_head)); fully_shard the root only "
                            "(its forward unshards the head) or leave the fused loss off")
     return weight, head.bias
 
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return False
-    return isinstance(t, DTensor)

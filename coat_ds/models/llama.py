@@ -164,10 +164,11 @@ class Llama(nn.Module):
             x = block(x, cos, sin)
         x = self.norm(x)
         if targets is not None and self.fused_head_loss:
-            from ..loss.linear_ce import linear_cross_entropy  # train.py refuses it under ZeRO-3
+            from ..loss.fuse import head_params
+            from ..loss.linear_ce import linear_cross_entropy
 
-            return linear_cross_entropy(x, self.head.weight, targets, self.head.bias,
-                                        chunk_tokens=self.head_loss_chunk_tokens)
+            weight, bias = head_params(self.head, type(self).__name__)
+            return linear_cross_entropy(x, weight, targets, bias, chunk_tokens=self.head_loss_chunk_tokens)
         logits = self.head(x)
         if targets is None:
             return logits
