@@ -128,6 +128,19 @@ def median_ms(fn, iters: int, warmup: int = 3) -> float:
     return statistics.median(step_ms(fn, iters, warmup))
 
 
+def wall_ms(fn, reps: int = 30, warmup: int = 5) -> float:
+    """Wall time per call of `reps` calls back to back, then one sync: the host's time where
+    it cannot keep the GPU busy, the GPU's where it can."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) * 1e3 / reps
+
+
 def device_ms(fn, reps: int = 20) -> float:
     """Device time per call with the GPU queue kept full: a sleep kernel holds the GPU while the
     host enqueues every call, so the events bracket GPU work, not launch latency."""

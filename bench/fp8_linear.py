@@ -5,6 +5,7 @@ side in a process of its own (honest peaks).
     python bench/fp8_linear.py --shape 7b                      # default sides, then the table
     python bench/fp8_linear.py --shape 7b 1b --sides bf16 coat_fp8 torchao --tree .oldwt --rounds 2
     python bench/fp8_linear.py --kernels                       # quantize/transpose vs copy
+    python bench/fp8_linear.py --crossover                     # one eager layer: where FP8 pays
     python bench/fp8_linear.py --shape 7b --sides coat_fp8 --profile      # top kernels of one step
     python bench/fp8_linear.py --shape 7b --sides coat_fp8 --trace DIR    # one step's chrome trace ...
     python bench/fp8_linear.py --gaps DIR/7b_coat_fp8.json.gz --top 12    # ... where the GPU waits (CPU)
@@ -17,7 +18,8 @@ tensorwise linears + torch AdamW), coat (CoatAdamW + compress_activations on the
 coat_fp8 (coat + convert_to_fp8_linear), coat_fp8_triton (backend="triton": our quantize
 kernels as custom ops), coat_fp8_keepw (keep_weight_codes=True), coat_fp8_sib (CoatAdamW
 step_in_backward=True), coat_fp8_fused (coat_fp8 + fuse_rms_norms + fuse_swiglu: eager
-speed only), coat_fp8_sib_headloss (coat_fp8_sib + fuse_lm_head_loss: no full logits).
+speed only), coat_fp8_headloss (coat_fp8 + fuse_lm_head_loss: no full logits), coat_fp8_sib_headloss
+(coat_fp8_sib + fuse_lm_head_loss).
 Each side also reports forward, backward and step() medians
 (CUDA events between the phases; with step_in_backward the update is in the backward column). Median of --steps
 CUDA-event-timed steps after 3 warm-up steps; ratios against BF16 of the same call. With --tree,
@@ -37,7 +39,7 @@ import _common as C
 import torch
 
 SIDES = ("bf16", "bf16_ckpt", "torchao", "coat", "coat_fp8", "coat_fp8_triton", "coat_fp8_keepw", "coat_fp8_sib",
-         "coat_fp8_fused", "coat_fp8_sib_headloss")
+         "coat_fp8_fused", "coat_fp8_headloss", "coat_fp8_sib_headloss")
 
 
 def build(shape: str, side: str, seq: int, compiled: bool, backend: str | None = None, dev=None, **overrides):
@@ -153,6 +155,35 @@ def bench_kernels() -> list[str]:
             rows.append(f"| {name} | {label} | {ms * 1e3:.0f} | {bw:.0f} | {copy_bw:.0f} | {bw / copy_bw:.2f} | {twin * 1e3:.0f} |")
         got, want = linear_quantize(x, "e4m3", True, True), reference.linear_quantize(x, "e4m3", True, True)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and int(got[2]) == int(want[2]), name
+    return rows
+
+
+def crossover(tokens_list=(4096, 8192, 16384)) -> list[str]:
+    """Eager forward + backward of one linear layer, nn.Linear under BF16 autocast against
+    coat_ds's Fp8Linear, FP32 weights: wall time per call, calls back to back (the host's
+    dispatch counts where it is the bottleneck), at Llama layer shapes from ~110M to 7B."""
+    import coat_ds
+
+    rows = ["| in x out | tokens | BF16 us | FP8 us | FP8 / BF16 |", "|---|---|---|---|---|"]
+    for k, n in ((768, 768), (768, 2048), (2048, 768), (1024, 1024), (2048, 2048), (2048, 5632), (4096, 4096),
+                 (4096, 11008)):
+        for tokens in tokens_list:
+            times = []
+            for fp8 in (False, True):
+                layer = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False)).cuda()
+                if fp8:
+                    coat_ds.convert_to_fp8_linear(layer, module_filter_fn=lambda m, fqn: True)
+                x = torch.randn(tokens, k, device="cuda", requires_grad=True)
+                dy = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
+
+                def call():
+                    with torch.autocast("cuda", dtype=torch.bfloat16):
+                        y = layer(x)
+                    y.backward(dy)
+                    layer[0].weight.grad = x.grad = None
+
+                times.append(C.wall_ms(call))
+            rows.append(f"| {k} x {n} | {tokens} | {times[0] * 1e3:.0f} | {times[1] * 1e3:.0f} | {times[1] / times[0]:.2f} |")
     return rows
 
 
@@ -362,6 +393,7 @@ def main(argv=None) -> None:
     ap.add_argument("--gaps", default=None, help="analyse a chrome trace (--trace's) and exit")
     ap.add_argument("--top", type=int, default=25, help="--gaps: rows listed")
     ap.add_argument("--kernels", action="store_true", help="microbenchmark the quantize/transpose kernels")
+    ap.add_argument("--crossover", action="store_true", help="eager linear layer fwd+bwd, BF16 vs FP8, by shape")
     ap.add_argument("--saved-bytes", action="store_true", help="CPU: FP8 input codes held, shared or not")
     ap.add_argument("--census", action="store_true", help="CPU: ops, Triton launches and coat_ds Python calls of "
                     "one eager step per --sides (default bf16 coat_fp8 coat_fp8_fused), per decoder layer")
@@ -379,10 +411,10 @@ def main(argv=None) -> None:
     if args.child:
         shape, side = args.child.split(":")
         return C.emit(run_side(args, shape, side))
-    if not torch.cuda.is_available() and (args.kernels or any(s != "tiny" for s in args.shape)):
+    if not torch.cuda.is_available() and (args.kernels or args.crossover or any(s != "tiny" for s in args.shape)):
         raise SystemExit("needs a CUDA GPU (or --shape tiny, --gaps, --saved-bytes)")
     print(C.header(), flush=True)
-    lines = bench_kernels() if args.kernels else []
+    lines = (bench_kernels() if args.kernels else []) + (crossover() if args.crossover else [])
     if lines:
         print("\n".join(lines), flush=True)
     argv = C.child_argv(sys.argv[1:] if argv is None else argv)

@@ -7,6 +7,7 @@ memory profiler at 7B and 13B. Run through bench/device_env.sh (wheels, path, NC
     bash bench/device_env.sh python bench/scaling.py profile p7b_zero3 p13b_fsdp2 train7b_fsdp2 --limit 420
     torchrun --nproc_per_node 2 bench/scaling.py fsdp-memory --preset 1b --micro-batch 4
     bash bench/device_env.sh python bench/scaling.py fit --preset 7b --sides coat:2,4 coat_sib:4,8 --steps 20
+    bash bench/device_env.sh python bench/scaling.py fit --preset 7b --recompute --head-loss --sides coat:16,20 coat_sib:32,48
 
 deepspeed: train.py with each ds_configs/<name>.json (micro-batch --micro per GPU), then the
 table (tokens/s: median over logged windows after the first; peak memory and optimizer state:
@@ -264,6 +265,8 @@ def run_fit(args) -> list[str]:
                         if side == "offload" else [sys.executable])
             if args.recompute:
                 common += ["--plan", recompute_plan(args.preset, mb, args.seq)]
+            if args.head_loss and side != "offload":
+                common += ["--fused-head-loss"]
             t0 = time.time()
             # A plan chooses each layer's treatment itself (a recomputed layer runs BF16 GEMMs).
             flags = [f for f in FIT_SIDES[side]
@@ -279,7 +282,8 @@ def run_fit(args) -> list[str]:
         else:
             rows.append((side, ran, ""))
     lines = [f"{args.preset}, seq {args.seq}, vocab 32000, one GPU, {args.steps} steps per try"
-             + (", every layer recomputed in backward" if args.recompute else ""),
+             + (", every layer recomputed in backward" if args.recompute else "")
+             + (", the head's loss in chunks" if args.head_loss else ""),
              "| side | largest micro-batch run | tokens/s (median after 2 steps) | peak GB | loss first -> last (steps) "
              "| stopped at |", "|---|---|---|---|---|---|"]
     for side, ran, stop in rows:
@@ -321,6 +325,7 @@ def main(argv=None) -> None:
                    help="SIDE:MB,MB,... with SIDE one of " + ", ".join(FIT_SIDES))
     t.add_argument("--steps", type=int, default=20)
     t.add_argument("--recompute", action="store_true", help="every side checkpoints every decoder layer (a plan)")
+    t.add_argument("--head-loss", action="store_true", help="every side but offload: --fused-head-loss (no full logits)")
     for q in (d, c, p, t):
         q.add_argument("--seq", type=int, default=2048)
         q.add_argument("--limit", type=float, default=170, help="seconds per run")

@@ -372,3 +372,29 @@ def test_linear_quantize_op_with_a_handed_max_passes_opcheck():
     x, w = _inputs(20, 48, torch.bfloat16, torch.bfloat16, seed=9)
     y, _, amax = reference.rms_norm_forward(x, w, 1e-6, True)
     torch.library.opcheck(torch.ops.coat_ds.fp8_linear_quantize.default, (y, 0, True, True, None, None, True, amax))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtypes", DTYPES, ids=lambda d: f"{d[0]}-{d[1]}".replace("torch.", ""))
+def test_cuda_kernels_match_the_twins(dtypes):
+    """On a GPU: the compiled kernels against the twins, at a Llama width and at one wider
+    than a block. The twin's rstd there is CUDA's approximate rsqrt (2 ulp) where the kernel
+    divides by a correctly rounded sqrt, so x * rstd may round to x's dtype on the other side
+    of a tie: y within one rounding of x's dtype plus one of its own."""
+    from coat_ds.kernels import rms_norm as k
+
+    for hidden in (4096, 1000):
+        x, w = (t.cuda() for t in _inputs(300, hidden, *dtypes, seed=4))
+        x[7] = 0
+        y, rstd, amax = k.rms_norm_forward(x, w, 1e-6, True)
+        y0, rstd0, _ = reference.rms_norm_forward(x, w, 1e-6, True)
+        err, mag = _close(y, y0, _P[y0.dtype])
+        assert (err <= mag * (2.0 ** -_P[x.dtype] + 2.0 ** -_P[y0.dtype])).all(), (err / mag).max()
+        assert ((rstd - rstd0).abs() <= rstd0 * 2.0 ** -21).all() and (y[7] == 0).all()
+        assert torch.equal(amax, _finite_max_bits(y))
+        dy = torch.randn(y.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(5)).to(y.dtype)
+        dx, dw = k.rms_norm_backward(dy, x, w, rstd0, True)
+        dx0, dw0 = reference.rms_norm_backward(dy, x, w, rstd0, True)
+        for got, want, p in ((dx, dx0, _P[x.dtype]), (dw, dw0, _P[w.dtype])):
+            err, mag = _close(got, want, p)
+            assert err.max() <= mag.max() * 2.0 ** -p, (err.max(), mag.max())

@@ -428,7 +428,13 @@ def test_cuda_kernels_match_the_twins_and_offer_the_quantizers_own_max(dtype):
     dg, du = k.swiglu_backward(dh, g, u)
     dg_t, du_t = reference.swiglu_backward(dh, g, u)
     if dtype == torch.float32:
-        assert _within_ulp(h, h_t, 4) and _within_ulp(du, du_t, 4)
+        # Triton's exp on a GPU is 2**(x log2 e) on the approximate ex2: the product's rounding
+        # grows with |x| (~|x| ulp of exp's result, which h and du inherit), and the division
+        # is the approximate one (2 ulp). torch's expf is within 1 ulp.
+        bound = (g.double().abs() + 8) * EPS32
+        for got, want in ((h, h_t), (du, du_t)):
+            rel = (got.double() - want.double()).abs() / want.double().abs().clamp_min(1e-30)
+            assert bool((rel <= bound).all()), (rel / EPS32).max()
     else:
         for got, want in ((h, h_t), (dg, dg_t), (du, du_t)):
             _assert_16bit_close(got.cpu(), want.cpu())

@@ -28,7 +28,7 @@ from .act_codec import num_groups
 from .fp8 import use_triton
 from .layout import AdamWHyper, AdamWSlot, QuantizedGroups, group_layout
 
-__all__ = ["Kernels", "kernels_for", "torch_kernels", "triton_kernels", "get_linear_ops", "get_rms_norm_ops", "get_swiglu_ops", "flat_slots", "OP_NAMES", "BODIES"]
+__all__ = ["Kernels", "kernels_for", "torch_kernels", "triton_kernels", "get_linear_ops", "get_rms_norm_ops", "get_swiglu_ops", "get_cross_entropy_ops", "flat_slots", "OP_NAMES", "BODIES"]
 
 
 @dataclass(frozen=True)
@@ -266,3 +266,16 @@ def get_swiglu_ops(device: torch.device, backend: str = "auto", option: str = "b
     from . import reference
 
     return reference.swiglu_forward, reference.swiglu_backward
+
+
+def get_cross_entropy_ops(device: torch.device, backend: str = "auto", option: str = "backend"):
+    """`cross_entropy_rows(logits, labels, scale, ignore_index) -> per-row loss` on `device`:
+    the Triton launcher of cross_entropy.py or its torch twin (reference.cross_entropy_rows),
+    chosen as `kernels_for` chooses. Raises where "triton" cannot run, naming `option`."""
+    if use_triton(device, backend, option):
+        from . import cross_entropy
+
+        return cross_entropy.cross_entropy_rows
+    from . import reference
+
+    return reference.cross_entropy_rows

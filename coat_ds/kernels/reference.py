@@ -369,3 +369,29 @@ def swiglu_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> t
     dup = dh * torch.nn.functional.silu(gate)
     dgate = torch.ops.aten.silu_backward(dh * up, gate)
     return dgate, dup
+
+
+def cross_entropy_rows(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor | None,
+                       ignore_index: int) -> torch.Tensor:
+    """Per-row FP32 cross-entropy of `logits` (rows x vocab) against `labels` (`ignore_index`:
+    0), on the logits upcast to FP32 as Hugging Face's loss upcasts them. With `scale` (1 /
+    the loss's denominator) the logits are overwritten with the gradient of sum(loss) * scale
+    (softmax - one_hot, times scale; 0 in unlabelled rows), rounded to their dtype. FP32
+    logits are the scratch space, with or without `scale`."""
+    x = logits.float()  # a new FP32 tensor, or `logits` itself when they already are FP32
+    valid = labels != ignore_index
+    target = torch.where(valid, labels, 0).unsqueeze(1)
+    picked = x.gather(1, target).squeeze(1)
+    # max, exp and sum in place: no second rows x vocab temporary, as logsumexp would make.
+    top = x.amax(1, keepdim=True)
+    x.sub_(top).exp_()
+    total = x.sum(1, keepdim=True)
+    loss = torch.where(valid, (top + total.log()).squeeze(1) - picked, 0.0)
+    if scale is not None:
+        x.mul_(scale / total)  # softmax over the denominator, in one pass
+        x.scatter_add_(1, target, (valid * -scale).unsqueeze(1))
+        # Zeroed last: unlabelled rows get exactly 0, whatever their logits or a zero denominator made.
+        x.masked_fill_(~valid.unsqueeze(1), 0.0)
+        if x is not logits:
+            logits.copy_(x)
+    return loss

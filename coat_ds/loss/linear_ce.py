@@ -6,9 +6,10 @@ it to FP32, and backward makes an FP32 gradient of the same shape: 2 + 4 + 4 byt
 per vocabulary entry, several GB at 16k tokens and a 32k vocabulary, all alive around the
 start of backward. Here forward walks the tokens in chunks; for each chunk it makes the
 logits (in the matmul's dtype: BF16 under autocast, as the head's own linear gives them),
-upcasts them to FP32 as Hugging Face's ForCausalLMLoss does, adds the chunk's loss and,
-in the same pass, turns them in place into the chunk's gradient w.r.t. the logits
-(softmax - one_hot, divided by the loss's denominator). From that gradient the chunk's
+computes the chunk's loss in FP32 as Hugging Face's ForCausalLMLoss does on its upcast,
+and in the same pass turns the logits in place into their gradient (softmax - one_hot,
+divided by the loss's denominator): one Triton kernel on a GPU, with no FP32 copy
+(kernels/cross_entropy.py), or its torch twin. From that gradient the chunk's
 share of grad_hidden (kept in hidden's dtype) and grad_weight (summed in FP32) are made at
 once, and the chunk is dropped. Backward only scales the kept gradients by grad_output.
 What is held from forward to backward is grad_hidden (N x hidden) and grad_weight
@@ -18,6 +19,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ..config import _BACKENDS
+from ..kernels.ops import get_cross_entropy_ops
 
 __all__ = ["linear_cross_entropy", "default_chunk_tokens", "IGNORE_INDEX"]
 
@@ -48,41 +52,27 @@ def _denominator(labels: torch.Tensor, num_items_in_batch, ignore_index: int) ->
     return torch.as_tensor(num_items_in_batch, device=labels.device).float()
 
 
-class _Chunk:
-    """One chunk's FP32 logits turned into its loss sum and, in place, its logits' gradient."""
-
-    @staticmethod
-    def loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor, ignore_index: int,
-                      with_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x = logits.float()  # a new FP32 tensor, or `logits` itself when they already are FP32
-        valid = labels != ignore_index
-        target = torch.where(valid, labels, 0).unsqueeze(1)
-        picked = x.gather(1, target).squeeze(1)
-        # max, exp and sum in place: no second chunk-sized temporary, as logsumexp would make.
-        top = x.amax(1, keepdim=True)
-        x.sub_(top).exp_()
-        total = x.sum(1, keepdim=True)
-        lse = (top + total.log()).squeeze(1)
-        loss = torch.where(valid, lse - picked, 0.0).sum()
-        if not with_grad:
-            return loss, None
-        x.mul_(scale / total)  # softmax over the denominator, in one pass
-        x.scatter_add_(1, target, (valid * -scale).unsqueeze(1))
-        # Zeroed last: unlabelled rows get exactly 0, whatever their logits or a zero denominator made.
-        x.masked_fill_(~valid.unsqueeze(1), 0.0)
-        return loss, x
+def _accumulate(grad_weight: torch.Tensor, grad: torch.Tensor, h: torch.Tensor) -> None:
+    """grad_weight (FP32) += grad.T @ h. On CUDA a 16-bit product accumulates into FP32 in the
+    GEMM itself (`out_dtype`); elsewhere it is made in its own dtype, then added."""
+    if grad.dtype == torch.float32:
+        grad_weight.addmm_(grad.t(), h)
+    elif grad.is_cuda:
+        torch.addmm(grad_weight, grad.t(), h, out_dtype=torch.float32, out=grad_weight)
+    else:
+        grad_weight += grad.t() @ h
 
 
 class LinearCrossEntropy(torch.autograd.Function):
     """sum over chunks of CE(hidden @ weight.T + bias, labels) / denominator; see the module doc."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, denominator, ignore_index, chunk_tokens, dtype):
+    def forward(ctx, hidden, weight, bias, labels, denominator, ignore_index, chunk_tokens, dtype, rows_ce):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)  # one cast for every chunk (autocast would make it per chunk)
             b = None if bias is None else bias.to(dtype)
-            scale = denominator.reciprocal()
+            scale = denominator.reciprocal().reshape(1)
             grad_hidden = torch.empty_like(hidden) if need_h else None
             grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
             grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
@@ -90,19 +80,14 @@ class LinearCrossEntropy(torch.autograd.Function):
             for start in range(0, hidden.shape[0], chunk_tokens):
                 rows = slice(start, start + chunk_tokens)
                 h = hidden[rows].to(dtype)
-                loss, grad = _Chunk.loss_and_grad(F.linear(h, w, b), labels[rows], scale, ignore_index,
-                                                  with_grad=need_h or need_w or need_b)
-                total += loss
-                if grad is None:
-                    continue
-                grad = grad.to(dtype)  # as the logits' FP32 upcast hands its gradient back
-                if need_h:
+                grad = F.linear(h, w, b)
+                total += rows_ce(grad, labels[rows], scale, ignore_index).sum()  # grad: now the logits' gradient
+                if need_h and grad.dtype == hidden.dtype:
+                    torch.mm(grad, w, out=grad_hidden[rows])
+                elif need_h:
                     grad_hidden[rows] = grad @ w
                 if need_w:
-                    if grad.dtype == torch.float32:
-                        grad_weight.addmm_(grad.t(), h)
-                    else:
-                        grad_weight += grad.t() @ h
+                    _accumulate(grad_weight, grad, h)
                 if need_b:
                     grad_bias += grad.sum(0, dtype=torch.float32)
         # Kept on ctx, not save_for_backward: they are gradients, not activations, so the
@@ -120,16 +105,15 @@ class LinearCrossEntropy(torch.autograd.Function):
         grads, ctx.grads = ctx.grads, None
         # In place: these tensors are ours alone, and a copy would double the weight's gradient.
         scaled = [None if g is None else g.mul_(grad_output.to(g.dtype)) for g in grads]
-        return (*scaled, None, None, None, None, None)
+        return (*scaled, None, None, None, None, None, None)
 
 
-def _loss_only(hidden, weight, bias, labels, denominator, ignore_index, chunk_tokens, dtype) -> torch.Tensor:
+def _loss_only(hidden, weight, bias, labels, denominator, ignore_index, chunk_tokens, dtype, rows_ce) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
     for start in range(0, hidden.shape[0], chunk_tokens):
         rows = slice(start, start + chunk_tokens)
-        total += _Chunk.loss_and_grad(F.linear(hidden[rows].to(dtype), w, b), labels[rows], None, ignore_index,
-                                      with_grad=False)[0]
+        total += rows_ce(F.linear(hidden[rows].to(dtype), w, b), labels[rows], None, ignore_index).sum()
     return total / denominator
 
 
@@ -139,7 +123,8 @@ def _loss_only(hidden, weight, bias, labels, denominator, ignore_index, chunk_to
 @torch.compiler.disable
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                          bias: torch.Tensor | None = None, *, num_items_in_batch=None,
-                         ignore_index: int = IGNORE_INDEX, chunk_tokens: int | None = None) -> torch.Tensor:
+                         ignore_index: int = IGNORE_INDEX, chunk_tokens: int | None = None,
+                         backend: str = "auto") -> torch.Tensor:
     """Mean token cross-entropy of `hidden @ weight.T + bias` against `labels`, as Hugging Face's
     `fixed_cross_entropy` gives it on FP32-upcast logits, without ever holding more than
     `chunk_tokens` rows of logits (default: `default_chunk_tokens(vocab)`, ~256 MiB of FP32).
@@ -148,7 +133,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     tokens. With `num_items_in_batch` the loss is the sum divided by it, else the mean over
     labelled tokens (NaN when there are none, as in torch and Hugging Face). Under autocast
     the logits are made in autocast's dtype. Gradients are computed in forward; backward
-    scales them. Runs eagerly under torch.compile (a graph break)."""
+    scales them. Runs eagerly under torch.compile (a graph break). `backend`: each chunk's
+    loss and gradient by the Triton kernel ("triton"), its torch twin ("torch"), or "auto":
+    Triton on CUDA, the twin elsewhere."""
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"linear_cross_entropy: labels of shape {tuple(labels.shape)} do not match the "
                          f"{tuple(hidden.shape[:-1])} tokens of hidden {tuple(hidden.shape)}")
@@ -161,7 +148,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         raise ValueError(f"linear_cross_entropy: chunk_tokens must be a positive int, got {chunk_tokens!r}")
     hidden2d, labels1d = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1).to(hidden.device)
     denominator = _denominator(labels1d, num_items_in_batch, ignore_index)
+    if backend not in _BACKENDS:
+        raise ValueError(f"linear_cross_entropy: backend must be one of {_BACKENDS}, got {backend!r}")
+    rows_ce = get_cross_entropy_ops(hidden.device, backend, "linear_cross_entropy's backend")
     args = (hidden2d, weight, bias, labels1d, denominator, ignore_index, chunk_tokens,
-            _compute_dtype(hidden, weight))
+            _compute_dtype(hidden, weight), rows_ce)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     return LinearCrossEntropy.apply(*args) if needs_grad else _loss_only(*args)

@@ -1,0 +1,75 @@
+"""Cross-entropy of a block of logit rows and, in place, their gradient: one kernel (the GPU
+path of loss/linear_ce.py; reference.cross_entropy_rows is its torch twin).
+
+Hugging Face's loss upcasts the logits to FP32 and runs log-softmax, then backward makes an
+FP32 gradient: about ten passes over a rows x vocab tensor, and an FP32 copy of it. Here one
+program takes one row: a first pass finds its max and sum of exponentials together (the
+running max rescales the running sum), a second writes (softmax - one_hot) / denominator over
+the logits themselves, in their dtype. Two reads and one write of the BF16 logits, no FP32
+copy. The math is FP32 as Hugging Face's upcast makes it; the gradient is rounded to the
+logits' dtype as the upcast hands its gradient back. Only the sum's order and exp's rounding
+differ from the twin.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .act_launch import launch
+from .codec import round_to
+
+__all__ = ["cross_entropy_rows"]
+
+# 4096 lanes per pass: a 32000-entry row in 8 blocks, 16 elements a thread at 8 warps.
+_BLOCK = 4096
+_NUM_WARPS = 8
+
+
+@triton.jit
+def _cross_entropy_kernel(logits_ptr, labels_ptr, loss_ptr, scale_ptr, V, stride, ignore_index,
+                          BLOCK: tl.constexpr, GRAD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride
+    label = tl.load(labels_ptr + row).to(tl.int64)
+    valid = label != ignore_index
+    top = float("-inf")
+    total = 0.0
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        new_top = tl.maximum(top, tl.max(x, axis=0))
+        total = total * tl.exp(top - new_top) + tl.sum(tl.exp(x - new_top), axis=0)
+        top = new_top
+    lse = top + tl.log(total)
+    picked = tl.load(base + tl.where(valid, label, 0)).to(tl.float32)
+    tl.store(loss_ptr + row, tl.where(valid, lse - picked, 0.0))
+    if GRAD:
+        # Unlabelled rows get exactly 0, whatever their logits or a zero denominator give.
+        scale = tl.where(valid, tl.load(scale_ptr), 0.0)
+        dtype = logits_ptr.dtype.element_ty
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32)
+            g = tl.exp(x - lse) * scale - tl.where(cols == label, scale, 0.0)
+            tl.store(base + cols, round_to(g, dtype).to(dtype), mask=cols < V)
+
+
+def cross_entropy_rows(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor | None,
+                       ignore_index: int) -> torch.Tensor:
+    """Per-row cross-entropy of `logits` (rows x vocab, FP32/BF16/FP16, unit column stride)
+    against `labels` (int, rows; `ignore_index`: 0 loss), as FP32. With `scale` (a
+    one-element FP32 tensor: 1 / the loss's denominator) the logits are overwritten with the
+    gradient of sum(loss) * scale w.r.t. them. See reference.cross_entropy_rows."""
+    if logits.dim() != 2 or logits.stride(1) != 1 or labels.shape != logits.shape[:1]:
+        raise ValueError(f"cross_entropy_rows takes rows x vocab logits with unit column stride and one label "
+                         f"per row, got logits {tuple(logits.shape)} (strides {logits.stride()}) and labels "
+                         f"{tuple(labels.shape)}")
+    rows, vocab = logits.shape
+    loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    if rows:
+        grad = scale is not None
+        launch(_cross_entropy_kernel, rows,
+               (logits, labels.contiguous(), loss, scale if grad else loss, vocab, logits.stride(0), ignore_index),
+               (_BLOCK, grad), _NUM_WARPS)
+    return loss
