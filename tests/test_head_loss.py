@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 
 import pytest
 import torch
@@ -131,10 +132,27 @@ def test_bad_arguments_are_named():
         coat_ds.fuse_lm_head_loss(_hf("llama"), chunk_tokens=-1)
 
 
-def test_default_chunk_is_about_256_mib_of_fp32_logits():
+def test_default_chunk_is_about_256_mib_of_logits_as_held():
     assert default_chunk_tokens(32000) == 2048
     assert 2**28 - 64 * 4 * 32000 < default_chunk_tokens(32000) * 4 * 32000 <= 2**28
     assert default_chunk_tokens(2**30) == 1
+    assert default_chunk_tokens(32000, 2) == 4160  # the Triton path's BF16 logits: 65 x 64 tokens
+
+
+@pytest.mark.parametrize("backend, autocast, held", [("torch", True, 4), ("triton", True, 2), ("triton", False, 4)])
+def test_default_chunk_follows_the_bytes_the_path_holds(backend, autocast, held, monkeypatch):
+    """The twin holds an FP32 copy of each chunk, the kernel only the 16-bit logits: the
+    default chunk is ~256 MiB of what is held."""
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+    import coat_ds.loss.linear_ce as lce
+
+    seen = []
+    monkeypatch.setattr(lce, "default_chunk_tokens", lambda v, b=4: seen.append((v, b)) or 64)
+    h, w = torch.randn(8, 16, requires_grad=True), torch.randn(32000, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        linear_cross_entropy(h, w, torch.zeros(8, dtype=torch.long), backend=backend)
+    assert seen == [(32000, held)]
 
 
 # -- Hugging Face models ---------------------------------------------------------------------

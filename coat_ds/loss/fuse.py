@@ -29,7 +29,7 @@ _fused_classes: dict[type, type] = {}
 
 def fuse_lm_head_loss(model: nn.Module, *, chunk_tokens: int | None = None) -> nn.Module:
     """Make `model`'s loss skip its full logits: the LM head's cross-entropy is computed in
-    chunks of `chunk_tokens` tokens (default: ~256 MiB of FP32 logits per chunk), each chunk's
+    chunks of `chunk_tokens` tokens (default: ~256 MiB of logits per chunk, as the loss holds them), each chunk's
     gradient made at once (coat_ds.loss.linear_cross_entropy). Saves about
     vocab x (2 + 4 + 4) bytes per token under BF16 autocast (the logits, their FP32 upcast and
     its gradient); holds the head's input gradient and weight gradient from forward instead.

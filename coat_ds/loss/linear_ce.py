@@ -21,18 +21,21 @@ import torch
 import torch.nn.functional as F
 
 from ..config import _BACKENDS
+from ..kernels import reference
 from ..kernels.ops import get_cross_entropy_ops
 
 __all__ = ["linear_cross_entropy", "default_chunk_tokens", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100
-_CHUNK_FP32_BYTES = 256 * 2**20  # one chunk's FP32 logits
+_CHUNK_BYTES = 256 * 2**20  # one chunk's logits, as the loss holds them
 
 
-def default_chunk_tokens(vocab_size: int) -> int:
-    """Tokens per chunk so that a chunk's FP32 logits take about 256 MiB (a multiple of 64
-    tokens where that is at least 64, which GEMMs like)."""
-    tokens = max(1, _CHUNK_FP32_BYTES // (4 * vocab_size))
+def default_chunk_tokens(vocab_size: int, bytes_per_logit: int = 4) -> int:
+    """Tokens per chunk so that a chunk's logits take about 256 MiB at `bytes_per_logit` (a
+    multiple of 64 tokens where that is at least 64, which GEMMs like). The Triton path keeps
+    16-bit logits (2 bytes); the torch twin and FP32 logits take 4. Fewer, larger chunks
+    also mean fewer passes of the FP32 weight-gradient sum, one per chunk."""
+    tokens = max(1, _CHUNK_BYTES // (bytes_per_logit * vocab_size))
     return tokens - tokens % 64 if tokens >= 64 else tokens
 
 
@@ -127,7 +130,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
                          backend: str = "auto") -> torch.Tensor:
     """Mean token cross-entropy of `hidden @ weight.T + bias` against `labels`, as Hugging Face's
     `fixed_cross_entropy` gives it on FP32-upcast logits, without ever holding more than
-    `chunk_tokens` rows of logits (default: `default_chunk_tokens(vocab)`, ~256 MiB of FP32).
+    `chunk_tokens` rows of logits (default: `default_chunk_tokens`, ~256 MiB of logits as the
+    path holds them: 16-bit on the Triton path, FP32 on the twin's).
 
     hidden: (..., hidden_size); labels: hidden's leading shape, `ignore_index` for unlabelled
     tokens. With `num_items_in_batch` the loss is the sum divided by it, else the mean over
@@ -142,16 +146,17 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"linear_cross_entropy: weight of shape {tuple(weight.shape)} does not take hidden "
                          f"states of size {hidden.shape[-1]}")
+    if backend not in _BACKENDS:
+        raise ValueError(f"linear_cross_entropy: backend must be one of {_BACKENDS}, got {backend!r}")
+    rows_ce = get_cross_entropy_ops(hidden.device, backend, "linear_cross_entropy's backend")
+    dtype = _compute_dtype(hidden, weight)
     if chunk_tokens is None:
-        chunk_tokens = default_chunk_tokens(weight.shape[0])
+        kept = dtype.itemsize if rows_ce is not reference.cross_entropy_rows else 4
+        chunk_tokens = default_chunk_tokens(weight.shape[0], kept)
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"linear_cross_entropy: chunk_tokens must be a positive int, got {chunk_tokens!r}")
     hidden2d, labels1d = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1).to(hidden.device)
     denominator = _denominator(labels1d, num_items_in_batch, ignore_index)
-    if backend not in _BACKENDS:
-        raise ValueError(f"linear_cross_entropy: backend must be one of {_BACKENDS}, got {backend!r}")
-    rows_ce = get_cross_entropy_ops(hidden.device, backend, "linear_cross_entropy's backend")
-    args = (hidden2d, weight, bias, labels1d, denominator, ignore_index, chunk_tokens,
-            _compute_dtype(hidden, weight), rows_ce)
+    args = (hidden2d, weight, bias, labels1d, denominator, ignore_index, chunk_tokens, dtype, rows_ce)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     return LinearCrossEntropy.apply(*args) if needs_grad else _loss_only(*args)
