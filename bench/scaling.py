@@ -2,6 +2,7 @@
 memory profiler at 7B and 13B. Run through bench/device_env.sh (wheels, path, NCCL settings):
 
     bash bench/device_env.sh python bench/scaling.py deepspeed coat_zero2 bf16_zero2 --steps 40
+    bash bench/device_env.sh python bench/scaling.py deepspeed coat_zero2 bf16_zero2 --flags=--compile --coat-flags="--fp8-linear --compress-activations --fused-head-loss"
     python bench/scaling.py summary DIR                 # one table from the .jsonl of several calls
     bash bench/device_env.sh python bench/scaling.py compile --preset 7b --mb 6 --runs bf16_compiled coat_compiled
     bash bench/device_env.sh python bench/scaling.py profile p7b_zero3 p13b_fsdp2 train7b_fsdp2 --limit 420
@@ -69,7 +70,8 @@ def run_deepspeed(args) -> list[str]:
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ngpu()), "--master_port", "29512",
                "train.py", "--deepspeed", with_micro_batch(name, args.micro), "--config", args.model_config,
                "--max-steps", str(args.steps), "--seq-len", str(args.seq),
-               "--metrics-file", os.path.join(args.out, f"{name}.jsonl")]
+               "--metrics-file", os.path.join(args.out, f"{name}.jsonl"), *args.flags.split(),
+               *(args.coat_flags.split() if name.startswith("coat_") else [])]
         print(f"{name}: exit {launch(cmd, os.path.join(args.out, name + '.log'), args.limit)}", flush=True)
     return summary(args.out)
 
@@ -301,6 +303,9 @@ def main(argv=None) -> None:
     d.add_argument("--steps", type=int, default=60)
     d.add_argument("--micro", type=int, default=8, help="micro-batch per GPU")
     d.add_argument("--model-config", default="configs/1b.yaml")
+    d.add_argument("--flags", default="", help="train.py flags for every config (one string: \"--compile\")")
+    d.add_argument("--coat-flags", default="", help="train.py flags for the coat_ configs only "
+                   "(\"--fp8-linear --compress-activations --fused-head-loss\")")
     s = sub.add_parser("summary", help="the deepspeed table of a folder of .jsonl")
     s.add_argument("folder")
     c = sub.add_parser("compile", help="train.py --fsdp, BF16 and COAT, eager and compiled")
