@@ -88,6 +88,18 @@ def test_non_finite_logits_give_a_non_finite_row_loss_as_the_twin():
     assert torch.isfinite(got[[0, 2, 3, 5]]).all()
 
 
+def test_a_label_out_of_range_gives_a_nan_row_loss_and_reads_nothing_out_of_bounds():
+    kernel = _kernel()
+    x, labels = _logits(4, 50, torch.float32, seed=6)
+    labels[:] = torch.tensor([3, 50, -7, -100])
+    g = x.clone()
+    loss = kernel(g, labels, torch.tensor([0.5]), -100)
+    assert torch.isnan(loss[1]) and torch.isnan(loss[2]) and loss[3] == 0 and torch.isfinite(loss[0])
+    assert torch.isfinite(g).all()
+    with pytest.raises((IndexError, RuntimeError)):
+        reference.cross_entropy_rows(x.clone(), labels, None, -100)
+
+
 def test_bad_shapes_are_named():
     kernel = _kernel()
     x, labels = _logits(4, 50, torch.float32)

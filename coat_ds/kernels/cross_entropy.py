@@ -33,6 +33,9 @@ def _cross_entropy_kernel(logits_ptr, labels_ptr, loss_ptr, scale_ptr, V, stride
     base = logits_ptr + row * stride
     label = tl.load(labels_ptr + row).to(tl.int64)
     valid = label != ignore_index
+    # A label outside [0, V) reads nothing: its row's loss is NaN, which the caller's
+    # non-finite handling sees (torch's cross_entropy raises a device-side assert instead).
+    in_range = (label >= 0) & (label < V)
     top = float("-inf")
     total = 0.0
     for start in range(0, V, BLOCK):
@@ -42,8 +45,9 @@ def _cross_entropy_kernel(logits_ptr, labels_ptr, loss_ptr, scale_ptr, V, stride
         total = total * tl.exp(top - new_top) + tl.sum(tl.exp(x - new_top), axis=0)
         top = new_top
     lse = top + tl.log(total)
-    picked = tl.load(base + tl.where(valid, label, 0)).to(tl.float32)
-    tl.store(loss_ptr + row, tl.where(valid, lse - picked, 0.0))
+    picked = tl.load(base + tl.where(valid & in_range, label, 0)).to(tl.float32)
+    loss = tl.where(in_range, lse - picked, float("nan"))
+    tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
     if GRAD:
         # Unlabelled rows get exactly 0, whatever their logits or a zero denominator give.
         scale = tl.where(valid, tl.load(scale_ptr), 0.0)
@@ -60,7 +64,9 @@ def cross_entropy_rows(logits: torch.Tensor, labels: torch.Tensor, scale: torch.
     """Per-row cross-entropy of `logits` (rows x vocab, FP32/BF16/FP16, unit column stride)
     against `labels` (int, rows; `ignore_index`: 0 loss), as FP32. With `scale` (a
     one-element FP32 tensor: 1 / the loss's denominator) the logits are overwritten with the
-    gradient of sum(loss) * scale w.r.t. them. See reference.cross_entropy_rows."""
+    gradient of sum(loss) * scale w.r.t. them. A label outside [0, vocab) that is not
+    `ignore_index` gives its row a NaN loss (no read out of bounds); the twin raises there.
+    See reference.cross_entropy_rows."""
     if logits.dim() != 2 or logits.stride(1) != 1 or labels.shape != logits.shape[:1]:
         raise ValueError(f"cross_entropy_rows takes rows x vocab logits with unit column stride and one label "
                          f"per row, got logits {tuple(logits.shape)} (strides {logits.stride()}) and labels "
