@@ -46,6 +46,7 @@ from coat_ds.io.atomic import atomic_write  # noqa: E402
 from coat_ds.train.data import DataConfig, batch_seed, load_data  # noqa: E402
 from coat_ds.kernels import get_format, reference as R  # noqa: E402
 from coat_ds.models.llama import Llama, model_config  # noqa: E402
+from coat_ds.plan import ApplyConfig, Plan, apply_plan, compile_layer, decoder_layers  # noqa: E402
 
 VARIANTS = {
     "adamw": "torch AdamW",
@@ -55,6 +56,8 @@ VARIANTS = {
     "coat_fp8_e4m3g": "CoatAdamW + FP8 activations + FP8 linears, E4M3 output gradients",
     "coat_sib": "coat with step_in_backward: FP32 gradients freed in backward, clipped exactly in step()",
     "coat_fp8_sib": "coat_fp8 with step_in_backward: FP32 gradients freed in backward, clipped exactly in step()",
+    "coat_rfp8": "coat with every block recomputed in backward from its input kept as FP8 codes",
+    "coat_fp8_rfp8": "coat_fp8 with every block recomputed in backward from its input kept as FP8 codes",
     # A negative control, not run by default: per-group absmax FP8 moments without DRE. It
     # shows that the parity measurement can tell a good quantizer from a poor one.
     "coat_nodre": "CoatAdamW without DRE (control)",
@@ -91,9 +94,12 @@ def run_variant(variant: str, args, data, device: torch.device) -> dict:
         grad_format = "e4m3" if variant == "coat_fp8_e4m3g" else Fp8LinearConfig().grad_format
         convert_to_fp8_linear(model, config=Fp8LinearConfig(grad_format=grad_format))
     handle = compress_activations(model) if variant == "coat_act" or variant.startswith("coat_fp8") else None
+    if variant.endswith("_rfp8"):
+        plan = Plan.uniform([f for f, _ in decoder_layers(model)], "recompute", args.batch_size, args.seq_len)
+        apply_plan(model, plan, config=ApplyConfig(recompute_input_fp8=True))
     if args.compile:
         for block in model.blocks:  # in place, as train.py --compile does
-            block.compile()
+            compile_layer(block)
     bf16 = device.type == "cuda" and not args.fp32
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
 

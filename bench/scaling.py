@@ -9,6 +9,7 @@ memory profiler at 7B and 13B. Run through bench/device_env.sh (wheels, path, NC
     torchrun --nproc_per_node 2 bench/scaling.py fsdp-memory --preset 1b --micro-batch 4
     bash bench/device_env.sh python bench/scaling.py fit --preset 7b --sides coat:2,4 coat_sib:4,8 --steps 20
     bash bench/device_env.sh python bench/scaling.py fit --preset 7b --recompute --head-loss --sides coat:16,20 coat_sib:32,48
+    bash bench/device_env.sh python bench/scaling.py fit --preset 7b --recompute --recompute-input-fp8 --head-loss --sides coat:24,28 coat_sib:40,48
 
 deepspeed: train.py with each ds_configs/<name>.json (micro-batch --micro per GPU), then the
 table (tokens/s: median over logged windows after the first; peak memory and optimizer state:
@@ -41,10 +42,11 @@ import _common as C
 import torch
 
 
-def launch(cmd: list[str], log: str, limit: float) -> int:
+def launch(cmd: list[str], log: str, limit: float, env: dict | None = None) -> int:
     with open(log, "w") as f:
         try:
-            return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=limit, cwd=C.ROOT).returncode
+            return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=limit, cwd=C.ROOT,
+                                  env=env).returncode
         except subprocess.TimeoutExpired:
             return 124
 
@@ -253,6 +255,9 @@ def recompute_plan(preset: str, micro: int, seq: int) -> str:
 
 def run_fit(args) -> list[str]:
     data = token_file(32000, 8_000_000)
+    # At the edge of the GPU's memory, fragmentation decides: a 7B coat_sib run at micro-batch
+    # 56 failed with 10 GiB reserved but unallocated. Every side gets the same allocator.
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": args.alloc_conf} if args.alloc_conf else None
     rows = []
     for spec in args.sides:
         side, mbs = spec.split(":")
@@ -267,13 +272,15 @@ def run_fit(args) -> list[str]:
                         if side == "offload" else [sys.executable])
             if args.recompute:
                 common += ["--plan", recompute_plan(args.preset, mb, args.seq)]
+                if args.recompute_input_fp8:
+                    common += ["--recompute-input-fp8"]
             if args.head_loss and side != "offload":
                 common += ["--fused-head-loss"]
             t0 = time.time()
             # A plan chooses each layer's treatment itself (a recomputed layer runs BF16 GEMMs).
             flags = [f for f in FIT_SIDES[side]
                      if not (args.recompute and f in ("--compress-activations", "--fp8-linear"))]
-            code = launch([*launcher, *common, *flags], os.path.join(args.out, name + ".log"), args.limit)
+            code = launch([*launcher, *common, *flags], os.path.join(args.out, name + ".log"), args.limit, env)
             logs = [m for m in map(json.loads, open(metrics)) if "tokens_per_s" in m] if os.path.isfile(metrics) else []
             print(f"{name}: exit {code}, {len(logs)} logged steps ({time.time() - t0:.0f} s)", flush=True)
             if code != 0 or not logs:
@@ -285,7 +292,9 @@ def run_fit(args) -> list[str]:
             rows.append((side, ran, ""))
     lines = [f"{args.preset}, seq {args.seq}, vocab 32000, one GPU, {args.steps} steps per try"
              + (", every layer recomputed in backward" if args.recompute else "")
-             + (", the head's loss in chunks" if args.head_loss else ""),
+             + (" from FP8 layer inputs" if args.recompute and args.recompute_input_fp8 else "")
+             + (", the head's loss in chunks" if args.head_loss else "")
+             + (f", PYTORCH_CUDA_ALLOC_CONF={args.alloc_conf}" if args.alloc_conf else ""),
              "| side | largest micro-batch run | tokens/s (median after 2 steps) | peak GB | loss first -> last (steps) "
              "| stopped at |", "|---|---|---|---|---|---|"]
     for side, ran, stop in rows:
@@ -330,6 +339,10 @@ def main(argv=None) -> None:
                    help="SIDE:MB,MB,... with SIDE one of " + ", ".join(FIT_SIDES))
     t.add_argument("--steps", type=int, default=20)
     t.add_argument("--recompute", action="store_true", help="every side checkpoints every decoder layer (a plan)")
+    t.add_argument("--recompute-input-fp8", action="store_true",
+                   help="with --recompute: the layers keep their input as FP8 codes (train.py --recompute-input-fp8)")
+    t.add_argument("--alloc-conf", default="",
+                   help="PYTORCH_CUDA_ALLOC_CONF for every side's run, e.g. expandable_segments:True (default: as set)")
     t.add_argument("--head-loss", action="store_true", help="every side but offload: --fused-head-loss (no full logits)")
     for q in (d, c, p, t):
         q.add_argument("--seq", type=int, default=2048)

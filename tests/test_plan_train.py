@@ -52,6 +52,9 @@ def test_plan_flags_conflicts_named():
         parse_config(["--memory-budget-gb", "1", "--compress-activations"])
     with pytest.raises(SystemExit, match="memory_budget_gb"):
         parse_config(["--memory-budget-gb", "-1"])
+    with pytest.raises(SystemExit, match="recompute_input_fp8.*off without a plan"):
+        parse_config(["--recompute-input-fp8"])
+    assert parse_config(["--plan", "p.json", "--recompute-input-fp8"]).recompute_input_fp8
 
 
 @pytest.mark.slow

@@ -1,12 +1,9 @@
 """`apply_plan`: put a `Plan`'s choice on each decoder layer of a model, in place, reversibly."""
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
-import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from .._compat.torch import set_activation_memory_budget
 from ..activation import compress_activations
@@ -14,6 +11,7 @@ from ..config import ActivationConfig, Fp8LinearConfig
 from ..linear import Fp8Linear, convert_to_fp8_linear
 from .layers import decoder_layers
 from .plan import Plan
+from .recompute import is_recomputed, recomputed
 
 __all__ = ["ApplyConfig", "apply_plan", "AppliedPlan"]
 
@@ -25,10 +23,12 @@ class ApplyConfig:
     Attributes:
         activation: FP8 saved activations of "fp8"/"fp8_linear" layers; None: defaults
         fp8_linear: FP8 GEMMs of "fp8_linear" layers; None: defaults
+        recompute_input_fp8: "recompute" layers keep their input until backward as FP8 codes (activation's format, groups)
     """
 
     activation: ActivationConfig | None = None
     fp8_linear: Fp8LinearConfig | None = None
+    recompute_input_fp8: bool = False
 
     def __post_init__(self):
         if self.activation is not None and not isinstance(self.activation, ActivationConfig):
@@ -37,19 +37,8 @@ class ApplyConfig:
         if self.fp8_linear is not None and not isinstance(self.fp8_linear, Fp8LinearConfig):
             raise TypeError(f"ApplyConfig.fp8_linear must be an Fp8LinearConfig or None, "
                             f"got {type(self.fp8_linear).__name__}")
-
-
-def _recomputed(forward):
-    # Non-reentrant: keyword arguments (Hugging Face layers take most of theirs that way) pass
-    # through, and the saved tensors of the recomputation are freed as backward goes.
-    @functools.wraps(forward)
-    def run(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    run._coat_recompute = True
-    return run
+        if not isinstance(self.recompute_input_fp8, bool):
+            raise TypeError(f"ApplyConfig.recompute_input_fp8 must be a bool, got {self.recompute_input_fp8!r}")
 
 
 class AppliedPlan:
@@ -68,7 +57,7 @@ class AppliedPlan:
             self.activations.remove()
             self.activations = None
         for layer in self._recomputed:
-            if getattr(layer.__dict__.get("forward"), "_coat_recompute", False):
+            if is_recomputed(layer):
                 del layer.forward
         for m, cls in self._converted:
             m.__class__ = cls
@@ -103,13 +92,18 @@ def apply_plan(model: nn.Module, plan: Plan, *, config: ApplyConfig | None = Non
     A plan with `compile_memory_budget` sets torch.compile's activation-memory budget
     (functorch's `activation_memory_budget` option) until `remove()`. torch reads it
     when a graph is compiled, for every graph compiled meanwhile, and does not recompile
-    graphs compiled before: compile after applying."""
+    graphs compiled before: compile after applying.
+
+    With `recompute_input_fp8`, a recomputed layer's checkpoint runs eagerly (traced, it
+    would save the exact input): compile such layers with `compile_layer`, which compiles
+    the forward inside the checkpoint, rather than `layer.compile()`."""
     config = config if config is not None else ApplyConfig()
     if not isinstance(config, ApplyConfig):
         raise TypeError(f"config must be an ApplyConfig, got {type(config).__name__}")
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a Plan, got {type(plan).__name__}")
     layers = _check_layers(model, plan)
+    fp8_input = (config.activation or ActivationConfig()) if config.recompute_input_fp8 else None
     done = AppliedPlan(plan, None, [], [])
     try:
         if plan.compile_memory_budget is not None:
@@ -117,7 +111,7 @@ def apply_plan(model: nn.Module, plan: Plan, *, config: ApplyConfig | None = Non
         for fqn, choice in plan.layers:
             layer = layers[fqn]
             if choice == "recompute":
-                layer.forward = _recomputed(layer.forward)
+                layer.forward = recomputed(layer.forward, fp8_input=fp8_input)
                 done._recomputed.append(layer)
             elif choice == "fp8_linear":
                 before = {id(m): type(m) for m in layer.modules() if not isinstance(m, Fp8Linear)}

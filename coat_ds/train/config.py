@@ -67,6 +67,7 @@ class TrainConfig:
     fused_head_loss: bool = False  # the head's loss in chunks, never the full logits (coat_ds.fuse_lm_head_loss; not with DeepSpeed ZeRO-3)
     plan: str = ""  # planner's JSON: per block keep / fp8 / fp8_linear / recompute (coat_ds.apply_plan; "": none)
     memory_budget_gb: float = 0.0  # search a plan at start that fits this many GB per rank (0: none)
+    recompute_input_fp8: bool = False  # the plan's recomputed blocks keep their input as FP8 codes until backward (~3.8x smaller than FP32; lossy like compressed activations)
 
     def __post_init__(self):
         choice("preset", self.preset, tuple(PRESETS))
@@ -99,6 +100,10 @@ class TrainConfig:
             raise ConfigError("fp8_keep_weight_codes", True, "off unless fp8_linear is on (it is an option of its layers)")
         text("plan", self.plan)
         number("memory_budget_gb", self.memory_budget_gb, lo=0.0)
+        boolean("recompute_input_fp8", self.recompute_input_fp8)
+        if self.recompute_input_fp8 and not (self.plan or self.memory_budget_gb):
+            raise ConfigError("recompute_input_fp8", True, "off without a plan (plan / memory_budget_gb): "
+                              "it applies to the blocks a plan recomputes")
         if self.plan and self.memory_budget_gb:
             raise ConfigError("memory_budget_gb", self.memory_budget_gb, f"0 when a plan file is given ({self.plan})")
         if (self.plan or self.memory_budget_gb) and (self.compress_activations or self.fp8_linear):
