@@ -45,8 +45,8 @@ from coat_ds.train.metrics import MetricsLog
 from coat_ds.models.llama import Llama, model_config
 from coat_ds.train.config import TrainConfig, checkpoint_plan, parse_config
 from coat_ds.optim import nonfinite_groups
-from coat_ds.plan import ApplyConfig, apply_plan, compile_layer
-from coat_ds.plan.training import plan_for_run
+from coat_ds.plan import apply_plan, compile_layer
+from coat_ds.plan.training import plan_for_run, run_apply_config
 
 
 def will_save(cfg: TrainConfig, step: int) -> bool:
@@ -311,8 +311,7 @@ def train(cfg: TrainConfig) -> None:
         plan = plan_for_run(cfg, model, read_ds_settings(cfg.deepspeed, world, engine=cfg.engine),
                             say=lambda s: say(s, flush=True))
         say(plan.summary() + "\n" + "\n".join(f"  {fqn}: {c}" for fqn, c in plan.layers), flush=True)
-        activations = apply_plan(model, plan,
-                                 config=ApplyConfig(recompute_input_fp8=cfg.recompute_input_fp8)).activations
+        activations = apply_plan(model, plan, config=run_apply_config(cfg)).activations
         if plan.compile_memory_budget is not None and not cfg.compile:
             say(f"WARNING: the plan's torch.compile activation-memory budget ({plan.compile_memory_budget:g}) "
                 "does nothing without compile: true; its layers save what eager autograd saves", flush=True)

@@ -205,3 +205,19 @@ def test_gpu_input_bytes_and_bound_on_hf_llama():
     assert held["exact"] - held["fp8"] >= (4 - 1 - 1 / 16) * inputs * 0.95, (held, inputs)
     assert torch.isfinite(grads["fp8"]).all()
     assert sqnr_db(grads["exact"], grads["fp8"]) > 25, sqnr_db(grads["exact"], grads["fp8"])
+
+
+def test_planner_measures_the_smaller_input(hf_llama):
+    """Measured with the ApplyConfig the run will use, a recomputed layer holds its input's
+    codes rather than the FP32 input: about 2.9 bytes per element less."""
+    from coat_ds.plan import MeasureConfig, measure_choices
+
+    def measured(config):
+        m = measure_choices(hf_llama, lambda p: torch.optim.AdamW(p, lr=1e-3), apply_config=config,
+                            config=MeasureConfig(seq_len=32, batches=(2,), timed_steps=1, choices=("keep", "recompute")))
+        return m.run("recompute", 2).layer_bytes
+
+    exact, fp8 = measured(ApplyConfig()), measured(FP8_INPUT)
+    per_layer = 2 * 32 * hf_llama.config.hidden_size  # input elements of one layer at micro-batch 2
+    for e, f in zip(exact, fp8):
+        assert e - f >= (4 - 1 - 1 / 16) * per_layer * 0.95, (exact, fp8, per_layer)

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..integrations.engine_setup import build_optimizer
+from .apply import ApplyConfig
 from .layers import decoder_layers
 from .measure import measure_choices, measure_plan
 from .measurements import MeasureConfig
@@ -14,7 +15,7 @@ from .plan import Plan, load_plan
 from .search import CostModel
 from .verify import search_verified
 
-__all__ = ["plan_for_run"]
+__all__ = ["plan_for_run", "run_apply_config"]
 
 
 def _optimizer_factory(ds_settings, in_backward: bool):
@@ -31,18 +32,20 @@ def _optimizer_factory(ds_settings, in_backward: bool):
     return build
 
 
-def _searched(model: nn.Module, budget_gb: float, ds_settings, seq_len: int, say, in_backward: bool) -> Plan:
+def _searched(model: nn.Module, budget_gb: float, ds_settings, seq_len: int, say, in_backward: bool,
+              apply_config: ApplyConfig) -> Plan:
     mb = ds_settings.micro_batch
     config = MeasureConfig(seq_len=seq_len, batches=(max(1, mb // 2), mb) if mb > 1 else (1, 2), timed_steps=2,
                            grad_accumulation=ds_settings.grad_accum)
     say(f"planning for {budget_gb} GB per rank at micro-batch {mb}: measuring {', '.join(config.choices)} "
         f"at micro-batches {config.batches}")
     factory = _optimizer_factory(ds_settings, in_backward)
-    m = measure_choices(model, factory, config=config, say=say)
+    # Measured as it will run: recomputed layers from FP8 inputs keep less.
+    m = measure_choices(model, factory, config=config, apply_config=apply_config, say=say)
 
     def measure(p: Plan) -> tuple[float, float]:
         say(f"planning: running the pick ({p.summary()}) to check its peak")
-        run = measure_plan(model, p, factory, config=config)
+        run = measure_plan(model, p, factory, config=config, apply_config=apply_config)
         return run.peak_bytes, run.step_s
 
     plan, attempts = search_verified(CostModel.per_compile_budget(m), budget_gb * 1e9, measure,
@@ -58,6 +61,11 @@ def _searched(model: nn.Module, budget_gb: float, ds_settings, seq_len: int, say
     return plan
 
 
+def run_apply_config(cfg) -> ApplyConfig:
+    """How train.py applies its plan (`cfg`: a TrainConfig)."""
+    return ApplyConfig(recompute_input_fp8=cfg.recompute_input_fp8)
+
+
 def plan_for_run(cfg, model: nn.Module, ds_settings, say=print) -> Plan:
     """The run's plan: loaded (`cfg.plan`) or searched on rank 0 (`cfg.memory_budget_gb`)
     and sent to every rank, checked against the model's decoder layers."""
@@ -69,7 +77,8 @@ def plan_for_run(cfg, model: nn.Module, ds_settings, say=print) -> Plan:
         except ValueError as e:
             raise SystemExit(f"--plan: {e}") from None
     elif rank == 0:
-        box[0] = _searched(model, cfg.memory_budget_gb, ds_settings, cfg.seq_len, say, cfg.step_in_backward)
+        box[0] = _searched(model, cfg.memory_budget_gb, ds_settings, cfg.seq_len, say, cfg.step_in_backward,
+                           run_apply_config(cfg))
     if not cfg.plan and dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)
     plan = box[0]
