@@ -4,6 +4,7 @@ between forward and backward, the same under torch.compile, and in-place changes
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -113,8 +114,11 @@ def test_compiled_layers_match_eager(hf_llama):
     for _, layer in decoder_layers(model):
         compile_layer(layer, backend="aot_eager")
     try:
-        loss, grads = _loss_and_grads(model, ids)
-        again_loss, again = _loss_and_grads(model, ids)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss, grads = _loss_and_grads(model, ids)
+            again_loss, again = _loss_and_grads(model, ids)
+        assert not [w for w in caught if "compile_layer" in str(w.message)]
     finally:
         applied.remove()
         torch._dynamo.reset()
@@ -135,6 +139,28 @@ def test_plain_recompute_still_compiles_whole_layer(hf_llama):
     finally:
         applied.remove()
         torch._dynamo.reset()
+
+
+def test_layer_compile_around_it_warns_once_and_stays_correct(hf_llama):
+    ids = _ids(6)
+    applied = _recompute_all(hf_llama)
+    _, eager = _loss_and_grads(hf_llama, ids)
+    applied.remove()
+    model = copy.deepcopy(hf_llama)
+    applied = _recompute_all(model)
+    for _, layer in decoder_layers(model):
+        layer.compile(backend="eager")
+    try:
+        with pytest.warns(UserWarning, match="compile it with coat_ds.plan.compile_layer") as caught:
+            _, grads = _loss_and_grads(model, ids)
+            _loss_and_grads(model, ids)
+    finally:
+        applied.remove()
+        for _, layer in decoder_layers(model):
+            layer._compiled_call_impl = None
+        torch._dynamo.reset()
+    assert sum("compile_layer" in str(w.message) for w in caught) == len(decoder_layers(model))  # once per layer
+    assert torch.equal(grads, eager)
 
 
 def test_input_changed_in_place_after_forward_is_refused():

@@ -10,6 +10,7 @@ compressed saved activations (the layer's own input gradient flows back unchange
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -74,6 +75,7 @@ class RecomputedForward:
         functools.update_wrapper(self, forward)
         self.inner = forward
         self.fp8_input = fp8_input
+        self._warned = False
         if fp8_input is not None:
             self._fmt = get_format(fp8_input.other_format)
             # torch.compile would trace the checkpoint into a graph that saves the exact input
@@ -84,6 +86,13 @@ class RecomputedForward:
         if not torch.is_grad_enabled():
             return self.inner(*args, **kwargs)
         x, key = _layer_input(args, kwargs) if self.fp8_input is not None else (None, None)
+        if x is not None and not self._warned and torch.compiler.is_compiling():
+            # Traced from outside (layer.compile()): the checkpoint below is a graph break,
+            # and the layer inside it then runs uncompiled.
+            self._warned = True
+            warnings.warn("a layer recomputed from FP8 inputs was compiled with layer.compile() or torch.compile "
+                          "around it: its checkpoint runs eagerly and the layer inside it uncompiled; compile it "
+                          "with coat_ds.plan.compile_layer(layer) instead", stacklevel=2)
         if x is None:
             # Non-reentrant: keyword arguments (Hugging Face layers take most of theirs that
             # way) pass through, and the recomputation's saved tensors are freed as backward goes.
