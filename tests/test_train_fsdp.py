@@ -112,7 +112,7 @@ def test_flags_pick_the_fsdp_engine_and_its_options():
     assert (cfg.engine, cfg.fsdp_mode, cfg.compress_activations) == ("fsdp", "fsdp1", True)
     assert train.parse_config(["--engine", "fsdp", "--no-compress-activations"]).compress_activations is False
     assert train.parse_config([]).engine == "deepspeed"
-    assert not train.parse_config([]).cudnn_attention and train.parse_config(["--cudnn-attention"]).cudnn_attention
+    assert train.parse_config([]).cudnn_attention and not train.parse_config(["--no-cudnn-attention"]).cudnn_attention
     with pytest.raises(SystemExit, match="fsdp_mode"):
         train.parse_config(["--fsdp", "--fsdp-mode", "fsdp3"])
     # Compiled blocks: FSDP2 and ZeRO-1/2 take them; ZeRO-3 under DeepSpeed is refused by name.
