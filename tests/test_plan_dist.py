@@ -26,24 +26,48 @@ for _stage in (1, 2, 3):
         *_TRAIN, "--deepspeed", f"ds_configs/coat_zero{stage}.json"]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("engine", ["fsdp2", "zero1", "zero2", "zero3"])
-def test_mixed_plan_trains_like_no_plan(tmp_path, engine):
+def _launcher(engine: str) -> list[str]:
     launcher = _LAUNCH[engine]()
     if not os.path.exists(launcher[0]):
         pytest.skip(f"{os.path.basename(launcher[0])} not installed")
+    return launcher
+
+
+def _losses(tmp_path, launcher: list[str], runs: dict, limit: float = 300) -> tuple[dict, dict]:
+    """Per run name, train.py's loss at each of its 4 steps under `launcher` with the run's
+    flags, and its output."""
+    losses, outs = {}, {}
+    for name, flags in runs.items():
+        metrics = tmp_path / f"{name}.jsonl"
+        out = run_in_repo([*launcher, *flags, "--metrics-file", str(metrics)], limit, DS_ACCELERATOR="cpu").stdout
+        assert "step 4/4 (100%)" in out, (name, out[-2000:])
+        losses[name] = {s: m["loss"] for s, m in read_metrics(metrics).items()}
+        outs[name] = out
+    return losses, outs
+
+
+def _like_plain(losses: dict, name: str) -> None:
+    for step in range(1, 5):
+        assert math.isfinite(losses[name][step])
+        assert losses[name][step] == pytest.approx(losses["plain"][step], rel=0.01), (name, step, losses)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["fsdp2", "zero1", "zero2", "zero3"])
+def test_mixed_plan_trains_like_no_plan(tmp_path, engine):
+    launcher = _launcher(engine)
     plan = tmp_path / "plan.json"
     Plan((("blocks.0", "recompute"), ("blocks.1", "fp8_linear")), 8, 64).save(str(plan))
-    losses = {}
-    for name, flags in (("plain", ()), ("plan", ("--plan", str(plan)))):
-        metrics = tmp_path / f"{name}.jsonl"
-        out = run_in_repo([*launcher, *flags, "--metrics-file", str(metrics)], 300, DS_ACCELERATOR="cpu").stdout
-        assert "step 4/4 (100%)" in out
-        losses[name] = {s: m["loss"] for s, m in read_metrics(metrics).items()}
-    assert "blocks.0: recompute" in out and "blocks.1: fp8_linear" in out
-    for step in range(1, 5):
-        assert math.isfinite(losses["plan"][step])
-        assert losses["plan"][step] == pytest.approx(losses["plain"][step], rel=0.01), (step, losses)
+    losses, outs = _losses(tmp_path, launcher, {"plain": (), "plan": ("--plan", str(plan))})
+    assert "blocks.0: recompute" in outs["plan"] and "blocks.1: fp8_linear" in outs["plan"]
+    _like_plain(losses, "plan")
+
+
+def _fp8_inputs(tmp_path) -> tuple[str, ...]:
+    """train.py flags: every block recomputed from FP8 inputs."""
+    plan = tmp_path / "plan.json"
+    Plan((("blocks.0", "recompute"), ("blocks.1", "recompute")), 8, 64).save(str(plan))
+    return ("--plan", str(plan), "--recompute-input-fp8")
 
 
 @pytest.mark.slow
@@ -51,25 +75,13 @@ def test_recomputed_from_fp8_inputs_under_fsdp2_eager_compiled_and_in_backward(t
     """Every block recomputed from FP8 inputs under FSDP2 on 2 ranks: eagerly, with compiled
     blocks (compile_layer), and with the optimizer step in backward (the 7B fit's setting),
     each within 1% of the run without a plan."""
-    launcher = _LAUNCH["fsdp2"]()
-    if not os.path.exists(launcher[0]):
-        pytest.skip("torchrun not installed")
-    plan = tmp_path / "plan.json"
-    Plan((("blocks.0", "recompute"), ("blocks.1", "recompute")), 8, 64).save(str(plan))
-    fp8 = ("--plan", str(plan), "--recompute-input-fp8")
+    launcher = _launcher("fsdp2")
+    fp8 = _fp8_inputs(tmp_path)
     runs = {"plain": (), "fp8": fp8, "compiled": (*fp8, "--compile"), "in_backward": (*fp8, "--step-in-backward")}
-    losses = {}
-    for name, flags in runs.items():
-        metrics = tmp_path / f"{name}.jsonl"
-        out = run_in_repo([*launcher, *flags, "--metrics-file", str(metrics)], 400, DS_ACCELERATOR="cpu").stdout
-        assert "step 4/4 (100%)" in out, (name, out[-2000:])
-        losses[name] = {s: m["loss"] for s, m in read_metrics(metrics).items()}
-        if flags:
-            assert "recompute_input_fp8: true" in out and "blocks.1: recompute" in out
+    losses, outs = _losses(tmp_path, launcher, runs, limit=400)
     for name in ("fp8", "compiled", "in_backward"):
-        for step in range(1, 5):
-            assert math.isfinite(losses[name][step])
-            assert losses[name][step] == pytest.approx(losses["plain"][step], rel=0.01), (name, step, losses)
+        assert "recompute_input_fp8: true" in outs[name] and "blocks.1: recompute" in outs[name]
+        _like_plain(losses, name)
     # Forward reads the exact inputs: the first step's loss is that of the run without a plan.
     assert losses["fp8"][1] == losses["plain"][1]
 
@@ -78,19 +90,7 @@ def test_recomputed_from_fp8_inputs_under_fsdp2_eager_compiled_and_in_backward(t
 def test_recomputed_from_fp8_inputs_under_zero3(tmp_path):
     """ZeRO-3 gathers each block's weights again for the recomputation: from FP8 inputs too,
     4 steps within 1% of the run without a plan on 2 ranks."""
-    launcher = _LAUNCH["zero3"]()
-    if not os.path.exists(launcher[0]):
-        pytest.skip("deepspeed not installed")
-    plan = tmp_path / "plan.json"
-    Plan((("blocks.0", "recompute"), ("blocks.1", "recompute")), 8, 64).save(str(plan))
-    losses = {}
-    for name, flags in (("plain", ()), ("fp8", ("--plan", str(plan), "--recompute-input-fp8"))):
-        metrics = tmp_path / f"{name}.jsonl"
-        out = run_in_repo([*launcher, *flags, "--metrics-file", str(metrics)], 300, DS_ACCELERATOR="cpu").stdout
-        assert "step 4/4 (100%)" in out, (name, out[-2000:])
-        losses[name] = {s: m["loss"] for s, m in read_metrics(metrics).items()}
-    assert "recompute_input_fp8: true" in out
-    for step in range(1, 5):
-        assert math.isfinite(losses["fp8"][step])
-        assert losses["fp8"][step] == pytest.approx(losses["plain"][step], rel=0.01), (step, losses)
+    losses, outs = _losses(tmp_path, _launcher("zero3"), {"plain": (), "fp8": _fp8_inputs(tmp_path)})
+    assert "recompute_input_fp8: true" in outs["fp8"]
+    _like_plain(losses, "fp8")
     assert losses["fp8"][1] == losses["plain"][1]

@@ -104,15 +104,23 @@ def test_input_bytes_gone_between_forward_and_backward(hf_llama):
     assert saved >= (4 - 1 - 1 / 16) * inputs * 0.99, (alive, inputs)
 
 
+def _eager_then_compiled_copy(model, ids, compile_each):
+    """Loss and gradients of `model` with every layer recomputed from FP8 inputs, eagerly; then
+    a copy set up the same way with `compile_each(layer)` on each layer, and its handle."""
+    applied = _recompute_all(model)
+    loss, grads = _loss_and_grads(model, ids)
+    applied.remove()
+    copied = copy.deepcopy(model)
+    applied = _recompute_all(copied)
+    for _, layer in decoder_layers(copied):
+        compile_each(layer)
+    return loss, grads, copied, applied
+
+
 def test_compiled_layers_match_eager(hf_llama):
     ids = _ids(4)
-    applied = _recompute_all(hf_llama)
-    eager_loss, eager = _loss_and_grads(hf_llama, ids)
-    applied.remove()
-    model = copy.deepcopy(hf_llama)
-    applied = _recompute_all(model)
-    for _, layer in decoder_layers(model):
-        compile_layer(layer, backend="aot_eager")
+    eager_loss, eager, model, applied = _eager_then_compiled_copy(
+        hf_llama, ids, lambda layer: compile_layer(layer, backend="aot_eager"))
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -143,13 +151,7 @@ def test_plain_recompute_still_compiles_whole_layer(hf_llama):
 
 def test_layer_compile_around_it_warns_once_and_stays_correct(hf_llama):
     ids = _ids(6)
-    applied = _recompute_all(hf_llama)
-    _, eager = _loss_and_grads(hf_llama, ids)
-    applied.remove()
-    model = copy.deepcopy(hf_llama)
-    applied = _recompute_all(model)
-    for _, layer in decoder_layers(model):
-        layer.compile(backend="eager")
+    _, eager, model, applied = _eager_then_compiled_copy(hf_llama, ids, lambda layer: layer.compile(backend="eager"))
     try:
         with pytest.warns(UserWarning, match="compile it with coat_ds.plan.compile_layer") as caught:
             _, grads = _loss_and_grads(model, ids)
