@@ -37,6 +37,9 @@ SHAPES = {
     # eagerly at bs 16 x 512).
     "110m": dict(hidden_size=768, intermediate_size=2048, num_attention_heads=12, num_key_value_heads=12,
                  num_hidden_layers=12, vocab_size=32000),
+    # Between them (train.py's 350m preset's width and depth, HF's 2.75x MLP).
+    "350m": dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=16,
+                 num_hidden_layers=24, vocab_size=32000),
     # CPU runs: a small vocabulary, so that the layers, not the logits, make the peak.
     "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
                  num_hidden_layers=3, vocab_size=512),

@@ -41,7 +41,7 @@ import time
 import _common as C  # noqa: F401  (puts the measured tree's coat_ds on the path)
 import torch
 
-from coat_ds import CoatAdamW, Fp8LinearConfig, compress_activations, convert_to_fp8_linear  # noqa: E402
+from coat_ds import ActivationConfig, CoatAdamW, Fp8LinearConfig, compress_activations, convert_to_fp8_linear  # noqa: E402
 from coat_ds.io.atomic import atomic_write  # noqa: E402
 from coat_ds.train.data import DataConfig, batch_seed, load_data  # noqa: E402
 from coat_ds.kernels import get_format, reference as R  # noqa: E402
@@ -92,8 +92,10 @@ def run_variant(variant: str, args, data, device: torch.device) -> dict:
                         dynamic_range_expansion=variant != "coat_nodre", **in_backward)
     if variant.startswith("coat_fp8"):
         grad_format = "e4m3" if variant == "coat_fp8_e4m3g" else Fp8LinearConfig().grad_format
-        convert_to_fp8_linear(model, config=Fp8LinearConfig(grad_format=grad_format))
-    handle = compress_activations(model) if variant == "coat_act" or variant.startswith("coat_fp8") else None
+        convert_to_fp8_linear(model, config=Fp8LinearConfig(grad_format=grad_format, eager_min_macs=0))
+    # The method at any size: eagerly small layers would otherwise stay exact (eager_min_*).
+    compress = variant == "coat_act" or variant.startswith("coat_fp8")
+    handle = compress_activations(model, config=ActivationConfig(eager_min_region_numel=0)) if compress else None
     if variant.endswith("_rfp8"):
         plan = Plan.uniform([f for f, _ in decoder_layers(model)], "recompute", args.batch_size, args.seq_len)
         apply_plan(model, plan, config=ApplyConfig(recompute_input_fp8=True))

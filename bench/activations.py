@@ -34,7 +34,7 @@ def measure(model, inputs, loss_fn, steps: int) -> dict:
     """BF16 and FP8 sides of one model through one handle switched on and off."""
     import coat_ds
 
-    handle = coat_ds.compress_activations(model)
+    handle = coat_ds.compress_activations(model, config=coat_ds.ActivationConfig(eager_min_region_numel=0))
 
     def step(on: bool):
         handle.enabled = on  # compiled layers hold a graph for each (Dynamo guards on the hooks)
@@ -96,7 +96,7 @@ def run_models(args) -> dict:
     if args.profile:
         import coat_ds
 
-        handle = coat_ds.compress_activations(model)
+        handle = coat_ds.compress_activations(model, config=coat_ds.ActivationConfig(eager_min_region_numel=0))
         print("\n".join(C.kernel_table(lambda: C.lm_loss(model(ids).logits, ids).backward())))
         handle.remove()
     return res

@@ -32,6 +32,7 @@ import bisect
 import collections
 import gzip
 import json
+import logging
 import os
 import sys
 
@@ -39,7 +40,20 @@ import _common as C
 import torch
 
 SIDES = ("bf16", "bf16_ckpt", "torchao", "coat", "coat_fp8", "coat_fp8_triton", "coat_fp8_keepw", "coat_fp8_sib",
-         "coat_fp8_fused", "coat_fp8_headloss", "coat_fp8_sib_headloss")
+         "coat_fp8_fused", "coat_fp8_headloss", "coat_fp8_sib_headloss",
+         # The eager crossover: FP8 GEMMs forced on (f8) or off (nof8), compression forced on (ca)
+         # or off (noca), whatever the size (coat_fp8_fused leaves both to the defaults).
+         "coat_fp8_fused_f8_ca", "coat_fp8_fused_f8_noca", "coat_fp8_fused_nof8_ca", "coat_fp8_fused_nof8_noca")
+_NEVER = 2 ** 62
+
+
+def eager_limits(side: str) -> tuple[dict, dict]:
+    """(Fp8LinearConfig, ActivationConfig) keyword arguments of a crossover side's tags."""
+    tags = side.split("_")
+    lin = {"eager_min_macs": 0} if "f8" in tags else {"eager_min_macs": _NEVER} if "nof8" in tags else {}
+    act = ({"eager_min_region_numel": 0} if "ca" in tags else
+           {"eager_min_region_numel": _NEVER} if "noca" in tags else {})
+    return lin, act
 
 
 def build(shape: str, side: str, seq: int, compiled: bool, backend: str | None = None, dev=None, **overrides):
@@ -55,17 +69,19 @@ def build(shape: str, side: str, seq: int, compiled: bool, backend: str | None =
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         convert_to_float8_training(model, config=Float8LinearConfig(), module_filter_fn=lambda m, fqn: fqn != "lm_head")
+    lin, act = eager_limits(side)
     if side.startswith("coat_fp8"):
         # Only the options a side sets: older trees (--tree) lack the newer ones.
-        kw = {"coat_fp8_triton": dict(backend="triton"), "coat_fp8_keepw": dict(keep_weight_codes=True)}.get(side, {})
+        kw = {"coat_fp8_triton": dict(backend="triton"), "coat_fp8_keepw": dict(keep_weight_codes=True)}.get(side, lin)
         cfg = coat_ds.Fp8LinearConfig(**{**kw, **be})
         coat_ds.convert_to_fp8_linear(model, config=cfg)
-        if side == "coat_fp8_fused":  # eager speed only: compiled, the modules run their own code
-            coat_ds.fuse_rms_norms(model, **({"config": cfg} if be else {}))
-            coat_ds.fuse_swiglu(model, **({"config": cfg} if be else {}))
+        if side.startswith("coat_fp8_fused"):  # eager speed only: compiled, the modules run their own code
+            coat_ds.fuse_rms_norms(model, **({"config": cfg} if be or lin else {}))
+            coat_ds.fuse_swiglu(model, **({"config": cfg} if be or lin else {}))
     if side.startswith("coat"):
         layers = {id(m) for m in C.decoder_layers(model)}
-        coat_ds.compress_activations(model, **({"config": coat_ds.ActivationConfig(**be)} if be else {}),
+        act = {**act, **be}
+        coat_ds.compress_activations(model, **({"config": coat_ds.ActivationConfig(**act)} if act else {}),
                                      module_filter_fn=lambda m, fqn: id(m) in layers)
         opt = coat_ds.CoatAdamW(model.parameters(), lr=1e-4, weight_decay=0.0, **be,
                                 **({"step_in_backward": True} if "_sib" in side else {}))
@@ -409,6 +425,9 @@ def main(argv=None) -> None:
         rows, lines = census(sides, args.reps)
         return C.finish(args, "fp8_linear_census", {"rows": rows}, lines)
     if args.child:
+        # Which layers the eager size limits send to nn.Linear or leave uncompressed (INFO).
+        logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+        logging.getLogger("coat_ds").setLevel(logging.INFO)
         shape, side = args.child.split(":")
         return C.emit(run_side(args, shape, side))
     if not torch.cuda.is_available() and (args.kernels or args.crossover or any(s != "tiny" for s in args.shape)):

@@ -248,7 +248,7 @@ def run_loop(args) -> dict:
     """Phases of the training step, medians: the whole step unsynchronized (even steps), then
     forward, backward, clipping and opt.step() each closed by a synchronize (odd steps)."""
     from accuracy import lr_at
-    from coat_ds import CoatAdamW, compress_activations
+    from coat_ds import ActivationConfig, CoatAdamW, compress_activations
     from coat_ds.train.data import DataConfig, batch_seed, load_data
     from coat_ds.models.llama import Llama, model_config
 
@@ -262,7 +262,7 @@ def run_loop(args) -> dict:
         opt = (torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
                                  fused=dev.type == "cuda") if variant == "adamw" else
                CoatAdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1))
-        handle = compress_activations(model) if variant == "coat_act" else None
+        handle = compress_activations(model, config=ActivationConfig(eager_min_region_numel=0)) if variant == "coat_act" else None
         for block in model.blocks if args.compile else ():
             block.compile()
         phases = {k: [] for k in ("step", "forward", "backward", "clip", "opt.step", "opt.step host")}

@@ -178,7 +178,7 @@ def fsdp_memory(args) -> list[str]:
         with dev:
             model = Llama(model_config(args.preset, max_seq_len=args.seq_len))
         model = setup_fsdp(model, mode="fsdp2", param_dtype=torch.bfloat16 if cuda else None,
-                           activation=ActivationConfig() if variant == "coat_act" else None)
+                           activation=ActivationConfig(eager_min_region_numel=0) if variant == "coat_act" else None)
         kw = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
         opt = torch.optim.AdamW(model.parameters(), **kw) if variant == "adamw" else CoatAdamW(model.parameters(), **kw)
         gen, vocab = torch.Generator().manual_seed(rank), model.cfg.vocab_size

@@ -41,6 +41,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _fp8_paths_at_any_size(request, monkeypatch):
+    """On a GPU machine, eager FP8 linears and compression at the tests' small sizes: the CUDA
+    defaults of Fp8LinearConfig.eager_min_macs and ActivationConfig.eager_min_region_numel
+    would run them as nn.Linear and exact (tests marked cuda_eager_limits check those)."""
+    if torch.cuda.is_available() and "cuda_eager_limits" not in request.keywords:
+        from coat_ds.activation import api
+        from coat_ds.linear import layer
+
+        monkeypatch.setattr(layer, "CUDA_EAGER_MIN_MACS", 0)
+        monkeypatch.setattr(api, "CUDA_EAGER_MIN_REGION_NUMEL", 0)
+
+
 @pytest.fixture
 def device():
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,6 +1,7 @@
 """`compress_activations`: put the saved-tensor hooks around chosen modules of a model."""
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Callable
 
@@ -14,6 +15,21 @@ from .hooks import SavedTensorCompressor
 from .traced import compile_settings
 
 __all__ = ["compress_activations", "ActivationCompression", "activation_stats"]
+
+logger = logging.getLogger("coat_ds.activation")
+# ActivationConfig.eager_min_region_numel's default on CUDA: eagerly the hooks cost host time per
+# saved tensor (~37 per Llama decoder layer), which an H100 hides behind the layer's kernels
+# only from about here (docs/benchmarks.md, "Where compression pays eagerly").
+CUDA_EAGER_MIN_REGION_NUMEL = 2 ** 24
+
+
+def _first_float(args, kwargs) -> torch.Tensor | None:
+    """A region's first floating-point tensor argument (a decoder layer's hidden states; a
+    whole causal LM's input ids are integers, so it has none)."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            return a
+    return None
 
 # model -> weak reference to its handle. The model's hooks keep the handle alive; a strong
 # value here would keep the model alive through the handle's region list forever.
@@ -62,6 +78,8 @@ class ActivationCompression:
         self.compressor = SavedTensorCompressor(config)
         self._compile_settings = compile_settings(config)
         self.regions = [fqn for fqn, _ in regions]
+        self._region_names = {id(m): fqn for fqn, m in regions}
+        self._told: set = set()  # (region class, numel) logged as too small to compress eagerly
         self.enabled = True
         self._contexts: list = []
         self._handles = []
@@ -88,23 +106,50 @@ class ActivationCompression:
             self._contexts.append(None)
             return
         comp = self.compressor
-        if self.config.keep_region_leaf_inputs:
+        # Entry: (hooks' context, AOTAutograd options before, whether eager tensors compress).
+        compress = not self._too_small(module, args, kwargs)
+        if compress and self.config.keep_region_leaf_inputs:
             for a in (*args, *kwargs.values()):
                 for t in (a if isinstance(a, (tuple, list)) else (a,)):
                     if isinstance(t, torch.Tensor) and t.grad_fn is None:
                         comp.note_alive_anyway(t)
-        for m in self._region_modules[id(module)]:
-            for b in m._buffers.values():
-                comp.note_alive_anyway(b)
-        ctx = torch.autograd.graph.saved_tensors_hooks(*comp.hooks)
+        if compress:
+            for m in self._region_modules[id(module)]:
+                for b in m._buffers.values():
+                    comp.note_alive_anyway(b)
+        ctx = torch.autograd.graph.saved_tensors_hooks(*(comp.hooks if compress else comp.eager_exact_hooks))
         ctx.__enter__()
-        self._contexts.append((ctx, swap_functorch_options(self._compile_settings)))
+        self._contexts.append((ctx, swap_functorch_options(self._compile_settings), compress))
+
+    def _too_small(self, module: nn.Module, args, kwargs) -> bool:
+        """Whether this call keeps its eager saved tensors exact: a first floating-point input
+        of fewer than `eager_min_region_numel` elements (where the hooks' host work would slow
+        the step more than the GPU hides). A region without such an input is compressed;
+        compiled graphs compress whatever the size (`pack_eager_exact`)."""
+        x = _first_float(args, kwargs)
+        if x is None:
+            return False
+        limit = self.config.eager_min_region_numel
+        if limit is None:
+            limit = CUDA_EAGER_MIN_REGION_NUMEL if x.is_cuda else 0
+        n = x.numel()
+        if n >= limit:
+            return False
+        key = (type(module), n)
+        if key not in self._told:
+            self._told.add(key)
+            logger.info("compress_activations: %s (%s) called on an input of %d elements < eager_min_region_numel %d: "
+                        "its eagerly saved tensors are not compressed (at this size the hooks' host work would slow "
+                        "the step more than the GPU hides; compiled graphs, and ActivationConfig("
+                        "eager_min_region_numel=0), compress)",
+                        self._region_names.get(id(module), "?") or "the model", type(module).__name__, n, limit)
+        return True
 
     @torch.compiler.disable
     def _exit(self, module, args, kwargs, output):
         entry = self._contexts.pop() if self._contexts else None
         if entry is not None:
-            ctx, previous = entry
+            ctx, previous, _ = entry
             swap_functorch_options(previous)
             ctx.__exit__(None, None, None)
 
@@ -113,7 +158,7 @@ class ActivationCompression:
         # saves its own intermediates, so every compressed tensor is then per-group.
         if torch.compiler.is_compiling():
             return
-        if self._contexts and self._contexts[-1] is not None and args:
+        if self._contexts and self._contexts[-1] is not None and self._contexts[-1][2] and args:
             self.compressor.note_linear_input(args[0])
 
     def stats(self) -> ActivationStats:

@@ -131,6 +131,9 @@ class SavedTensorCompressor:
         # benchmarks) is used.
         self.hooks = (graph_hook(lambda t: self.pack(t), cache_hash),
                       graph_hook(lambda saved: self.unpack(saved), cache_hash))
+        # For regions too small to compress eagerly (ActivationConfig.eager_min_region_numel):
+        # the same compiled graphs, and eagerly each tensor kept at the least host cost.
+        self.eager_exact_hooks = (graph_hook(lambda t: self.pack_eager_exact(t), cache_hash), self.hooks[1])
 
     def note_linear_input(self, x) -> None:
         if type(x) is _PLAIN:
@@ -240,6 +243,14 @@ class SavedTensorCompressor:
         self._fp8.add(key, saved)
         ledger.add_compressed(t, skey, root_ref, saved.nbytes)
         return saved
+
+    def pack_eager_exact(self, t: torch.Tensor):
+        """`pack` for a region called on an input too small to compress eagerly: a traced
+        tensor (a compiled graph) is packed as `pack` does; an eager one is kept as it is,
+        with its version, and not counted in the ledger."""
+        if type(t) is not _PLAIN and (isinstance(t, _TRACED) or _is_compiling()):
+            return self._traced.pack(t)
+        return Kept(t)
 
     def unpack(self, saved):
         kind = type(saved)

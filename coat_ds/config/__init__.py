@@ -17,6 +17,11 @@ def _power_of_two(name: str, value: int, lo: int, hi: int) -> None:
         raise ValueError(f"{name} must be a power of two in [{lo}, {hi}], got {value!r}")
 
 
+def _size_or_none(name: str, value) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise ValueError(f"{name} must be None or an int >= 0, got {value!r}")
+
+
 @dataclass(frozen=True)
 class OptimStateConfig:
     """How CoatAdamW stores its moments.
@@ -99,6 +104,10 @@ class ActivationConfig:
         keep_region_leaf_inputs: region inputs without grad_fn (held by the caller) stay uncompressed
         compiled_recompute: under torch.compile, backward recomputes pointwise values it would otherwise save
         backend: "triton" kernels, "torch" reference, or "auto": Triton on CUDA, torch elsewhere
+        eager_min_region_numel: a region called on a first float tensor input of fewer elements keeps
+            its eagerly saved tensors exact (compiled graphs still compress; logged once per size);
+            None: 2**24 on CUDA, below which the hooks' host work slows the step more than the GPU
+            hides (docs/benchmarks.md), 0 elsewhere
     """
 
     linear_input_format: str = "e4m3"
@@ -109,6 +118,7 @@ class ActivationConfig:
     keep_region_leaf_inputs: bool = True
     compiled_recompute: bool = True
     backend: str = "auto"
+    eager_min_region_numel: int | None = None
 
     def __post_init__(self):
         for name in ("linear_input_format", "other_format"):
@@ -119,6 +129,7 @@ class ActivationConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.min_numel, int) or isinstance(self.min_numel, bool) or self.min_numel < 0:
             raise ValueError(f"min_numel must be an int >= 0, got {self.min_numel!r}")
+        _size_or_none("eager_min_region_numel", self.eager_min_region_numel)
         if self.backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {self.backend!r}")
 
@@ -139,6 +150,9 @@ class Fp8LinearConfig:
         backend: "triton" kernels, "torch" twins, or "auto": Triton on CUDA, twins when compiling or on CPU
         keep_weight_codes: keep forward's FP8 weight for backward (1 byte per weight element held per
             layer) instead of casting it again
+        eager_min_macs: an eager call with fewer multiply-adds (tokens x in x out) runs as nn.Linear
+            (logged once per shape); None: 2**36 on CUDA, where smaller FP8 layers cost more host
+            time than their GEMMs save (docs/benchmarks.md), 0 elsewhere
     """
 
     input_format: str = "e4m3"
@@ -148,6 +162,7 @@ class Fp8LinearConfig:
     fast_accum: bool = True
     backend: str = "auto"
     keep_weight_codes: bool = False
+    eager_min_macs: int | None = None
 
     def __post_init__(self):
         for name in ("input_format", "weight_format", "grad_format"):
@@ -164,3 +179,4 @@ class Fp8LinearConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {self.backend!r}")
+        _size_or_none("eager_min_macs", self.eager_min_macs)

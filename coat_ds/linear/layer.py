@@ -1,7 +1,10 @@
 """`Fp8Linear`: an nn.Linear whose GEMMs run in FP8 and whose saved input is FP8."""
 from __future__ import annotations
 
+import logging
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..config import Fp8LinearConfig
@@ -12,6 +15,30 @@ from .function import fp8_linear
 __all__ = ["Fp8Linear", "fp8_gemm_available"]
 
 _GUESS = "fp8_weight_guess"
+logger = logging.getLogger("coat_ds.linear")
+# Fp8LinearConfig.eager_min_macs's default on CUDA: on an H100 an eager FP8 layer costs about
+# 0.5 ms more host work per step than nn.Linear, which its GEMMs save back from about here
+# (docs/benchmarks.md, "Where FP8 pays").
+CUDA_EAGER_MIN_MACS = 2 ** 36
+_told: set = set()  # (in, out, tokens) already logged as running as nn.Linear
+
+
+def eager_min_macs(config: Fp8LinearConfig, device: torch.device) -> int:
+    """The multiply-adds below which an eager call on `device` runs as nn.Linear."""
+    limit = config.eager_min_macs
+    if limit is None:
+        return CUDA_EAGER_MIN_MACS if device.type == "cuda" else 0
+    return limit
+
+
+def _tell_small(in_f: int, out_f: int, tokens: int, limit: int) -> None:
+    key = (in_f, out_f, tokens)
+    if key not in _told:
+        _told.add(key)
+        logger.info("Fp8Linear %d x %d at %d tokens: %.3g G multiply-adds < eager_min_macs %.3g G, so it runs eagerly "
+                    "as nn.Linear (FP8's host work would outlast what its GEMMs save; compiled, or with "
+                    "Fp8LinearConfig(eager_min_macs=0), it runs in FP8)", in_f, out_f, tokens,
+                    in_f * out_f * tokens / 1e9, limit / 1e9)
 
 
 def fp8_gemm_available(device: torch.device) -> bool:
@@ -35,7 +62,10 @@ class Fp8Linear(nn.Linear):
 
     The buffer `fp8_weight_guess` (not in the state_dict) holds what the Triton kernels
     learned of the weight's exponent last step; it moves with the module. A weight shared by
-    two layers has a guess in each."""
+    two layers has a guess in each.
+
+    Eagerly, a call smaller than `config.eager_min_macs` runs as nn.Linear: on a GPU the
+    FP8 path's extra host work is then not paid back by faster GEMMs."""
 
     fp8_config: Fp8LinearConfig
 
@@ -58,6 +88,13 @@ class Fp8Linear(nn.Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         cfg = self.fp8_config
+        if not torch.compiler.is_compiling():
+            limit = eager_min_macs(cfg, input.device)
+            if limit:
+                tokens = input.numel() // self.in_features
+                if tokens * self.in_features * self.out_features < limit:
+                    _tell_small(self.in_features, self.out_features, tokens, limit)
+                    return F.linear(input, self.weight, self.bias)
         dev_type = input.device.type
         if torch.is_autocast_enabled(dev_type):
             out_dtype = torch.get_autocast_dtype(dev_type)
