@@ -41,9 +41,10 @@ import time
 import _common as C  # noqa: F401  (puts the measured tree's coat_ds on the path)
 import torch
 
-from coat_ds import ActivationConfig, CoatAdamW, Fp8LinearConfig, compress_activations, convert_to_fp8_linear  # noqa: E402
+from coat_ds import (ActivationConfig, CoatAdamW, Fp8LinearConfig, compress_activations,  # noqa: E402
+                     convert_to_fp8_linear, fuse_lm_head_loss)
 from coat_ds.io.atomic import atomic_write  # noqa: E402
-from coat_ds.train.data import DataConfig, batch_seed, load_data  # noqa: E402
+from coat_ds.train.data import DataConfig, TokenData, batch_seed, load_data  # noqa: E402
 from coat_ds.kernels import get_format, reference as R  # noqa: E402
 from coat_ds.models.llama import Llama, model_config  # noqa: E402
 from coat_ds.plan import ApplyConfig, Plan, apply_plan, compile_layer, decoder_layers  # noqa: E402
@@ -58,6 +59,8 @@ VARIANTS = {
     "coat_fp8_sib": "coat_fp8 with step_in_backward: FP32 gradients freed in backward, clipped exactly in step()",
     "coat_rfp8": "coat with every block recomputed in backward from its input kept as FP8 codes",
     "coat_fp8_rfp8": "coat_fp8 with every block recomputed in backward from its input kept as FP8 codes",
+    "coat_fp8_head": "coat_fp8 with the head's loss in chunks (fuse_lm_head_loss), head GEMMs in BF16",
+    "coat_fp8_head8": "coat_fp8 with the head's loss in chunks and the head's GEMMs in FP8 (fp8=Fp8LinearConfig())",
     # A negative control, not run by default: per-group absmax FP8 moments without DRE. It
     # shows that the parity measurement can tell a good quantizer from a poor one.
     "coat_nodre": "CoatAdamW without DRE (control)",
@@ -65,6 +68,36 @@ VARIANTS = {
 
 
 # -- loss parity --------------------------------------------------------------------------------
+
+def pair_tokens(data: TokenData, vocab: int) -> TokenData:
+    """`data` (bytes) in a vocabulary of `vocab` tokens, for a realistically sized LM head
+    without a downloaded tokenizer: each byte pair at an even offset is one token (256 + its
+    rank) if it is among the vocab - 256 pairs most frequent at even offsets of the train
+    split, else its two bytes. Deterministic, a pure function of the data."""
+    if not 256 < vocab <= 256 + 65536:
+        raise SystemExit(f"--pair-vocab must be in (256, {256 + 65536}], got {vocab}")
+    train = data.train.long()
+    pairs = train[:train.numel() // 2 * 2].view(-1, 2)
+    freq = torch.bincount(pairs[:, 0] * 256 + pairs[:, 1], minlength=65536)
+    rank = torch.full((65536,), -1, dtype=torch.long)
+    rank[torch.sort(freq, descending=True, stable=True).indices[:vocab - 256]] = torch.arange(vocab - 256)
+
+    def encode(t: torch.Tensor) -> torch.Tensor:
+        t = t.long()
+        p = t[:t.numel() // 2 * 2].view(-1, 2)
+        r = rank[p[:, 0] * 256 + p[:, 1]]
+        one = r >= 0
+        width = torch.where(one, 1, 2)
+        at = torch.cumsum(width, 0) - width
+        out = torch.empty(int(width.sum()), dtype=torch.long)
+        out[at[one]] = 256 + r[one]
+        out[at[~one]], out[at[~one] + 1] = p[~one, 0], p[~one, 1]
+        return out
+
+    tr, va = encode(data.train), encode(data.val)
+    return TokenData(tr, va, vocab, f"{data.description}, as {vocab} byte-pair tokens ({tr.numel():,} train / "
+                     f"{va.numel():,} val)")
+
 
 def lr_at(step: int, steps: int, warmup: int, peak: float) -> float:
     if step < warmup:
@@ -81,7 +114,7 @@ def _sync(device: torch.device) -> None:
 def run_variant(variant: str, args, data, device: torch.device) -> dict:
     """Train one variant; returns its loss curve, final losses and throughput."""
     torch.manual_seed(args.seed)
-    model = Llama(model_config(args.preset, max_seq_len=max(args.seq_len, 16))).to(device)
+    model = Llama(model_config(args.preset, max_seq_len=max(args.seq_len, 16), vocab_size=data.vocab_size)).to(device)
     betas = (0.9, 0.95)
     if variant == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=betas, weight_decay=args.weight_decay,
@@ -96,6 +129,8 @@ def run_variant(variant: str, args, data, device: torch.device) -> dict:
     # The method at any size: eagerly small layers would otherwise stay exact (eager_min_*).
     compress = variant == "coat_act" or variant.startswith("coat_fp8")
     handle = compress_activations(model, config=ActivationConfig(eager_min_region_numel=0)) if compress else None
+    if variant in ("coat_fp8_head", "coat_fp8_head8"):
+        fuse_lm_head_loss(model, fp8=Fp8LinearConfig() if variant == "coat_fp8_head8" else None)
     if variant.endswith("_rfp8"):
         plan = Plan.uniform([f for f, _ in decoder_layers(model)], "recompute", args.batch_size, args.seq_len)
         apply_plan(model, plan, config=ApplyConfig(recompute_input_fp8=True))
@@ -197,7 +232,9 @@ def run_parity(args, argv) -> int:
     args.seed = args.seeds[0]
     device = torch.device(args.device)
     data = load_data(DataConfig(max_bytes=args.max_data_bytes))
-    cfg = model_config(args.preset, max_seq_len=max(args.seq_len, 16))
+    if args.pair_vocab:
+        data = pair_tokens(data, args.pair_vocab)
+    cfg = model_config(args.preset, max_seq_len=max(args.seq_len, 16), vocab_size=data.vocab_size)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
         f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
     meta = dict(command="python bench/accuracy.py " + " ".join(argv), device=name,
@@ -561,6 +598,8 @@ def main(argv=None) -> int:
     p.add_argument("--fp32", action="store_true", help="no BF16 autocast on CUDA")
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder block (every variant)")
     p.add_argument("--max-data-bytes", type=int, default=32_000_000)
+    p.add_argument("--pair-vocab", type=int, default=0, help="tokens of this vocabulary (> 256): byte pairs, the "
+                   "most frequent as one token each (pair_tokens); 0: bytes")
     p.add_argument("--log-interval", type=int, default=50)
     p.add_argument("--out", default="", help="write <out>.json and <out>.png (several seeds: a folder)")
     s = sub.add_parser("summary", help="combine parity runs made with different seeds")

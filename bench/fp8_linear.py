@@ -40,7 +40,8 @@ import _common as C
 import torch
 
 SIDES = ("bf16", "bf16_ckpt", "torchao", "coat", "coat_fp8", "coat_fp8_triton", "coat_fp8_keepw", "coat_fp8_sib",
-         "coat_fp8_fused", "coat_fp8_headloss", "coat_fp8_sib_headloss",
+         "coat_fp8_fused", "coat_fp8_headloss", "coat_fp8_sib_headloss", "coat_fp8_headloss8",
+         "coat_fp8_sib_headloss8",
          # The eager crossover: FP8 GEMMs forced on (f8) or off (nof8), compression forced on (ca)
          # or off (noca), whatever the size (coat_fp8_fused leaves both to the defaults).
          "coat_fp8_fused_f8_ca", "coat_fp8_fused_f8_noca", "coat_fp8_fused_nof8_ca", "coat_fp8_fused_nof8_noca")
@@ -87,6 +88,8 @@ def build(shape: str, side: str, seq: int, compiled: bool, backend: str | None =
                                 **({"step_in_backward": True} if "_sib" in side else {}))
         if side.endswith("_headloss"):
             coat_ds.fuse_lm_head_loss(model)
+        elif side.endswith("_headloss8"):  # the head's GEMMs in FP8 too
+            coat_ds.fuse_lm_head_loss(model, fp8=coat_ds.Fp8LinearConfig())
     else:
         # Fused on the census's CPU too: one step op per tensor list, as on a GPU.
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0,

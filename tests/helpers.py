@@ -18,6 +18,18 @@ def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
     return math.inf if noise == 0 else 10 * math.log10(ref.pow(2).sum().item() / noise)
 
 
+def head_data(n: int, hidden: int, vocab: int, bias: bool, seed: int, w_scale: float, ignored: float):
+    """Fresh random inputs of an LM head's loss: hidden states, weight and bias (leaves that
+    need grad) and labels, a share `ignored` of them -100."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, hidden, generator=g).requires_grad_()
+    w = (torch.randn(vocab, hidden, generator=g) * w_scale).requires_grad_()
+    b = (torch.randn(vocab, generator=g) * 0.1).requires_grad_() if bias else None
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    labels[torch.rand(n, generator=g) < ignored] = -100
+    return h, w, b, labels
+
+
 def stored_as_is(t: torch.Tensor, out) -> bool:
     """A saved-tensor hook stored `t` itself, or `t` detached: the same memory, no copy."""
     out = getattr(out, "tensor", out)  # the hooks wrap it with the version it was saved at

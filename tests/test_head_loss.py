@@ -18,6 +18,7 @@ from torch import nn
 import coat_ds
 from coat_ds.loss import default_chunk_tokens, linear_cross_entropy
 from coat_ds.memory.meters import StorageMeter
+from helpers import head_data
 
 transformers = pytest.importorskip("transformers")
 from transformers.loss.loss_utils import ForCausalLMLoss, fixed_cross_entropy  # noqa: E402
@@ -35,13 +36,7 @@ def _sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _data(n=70, hidden=24, vocab=300, bias=True, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    h = torch.randn(n, hidden, generator=g).requires_grad_()
-    w = (torch.randn(vocab, hidden, generator=g) * 0.3).requires_grad_()
-    b = (torch.randn(vocab, generator=g) * 0.1).requires_grad_() if bias else None
-    labels = torch.randint(0, vocab, (n,), generator=g)
-    labels[torch.rand(n, generator=g) < 0.2] = -100
-    return h, w, b, labels
+    return head_data(n, hidden, vocab, bias, seed, w_scale=0.3, ignored=0.2)
 
 
 def _grads(loss, tensors):

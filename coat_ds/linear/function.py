@@ -23,7 +23,7 @@ from ..kernels.fp8 import get_format
 from ..kernels.ops import get_linear_ops
 from . import shared_input
 
-__all__ = ["fp8_linear"]
+__all__ = ["fp8_linear", "fp8_mm"]
 
 _pow2 = reference.pow2
 # Maxima reduced in runs of this many elements (reference.linear_finite_absmax): the
@@ -41,7 +41,7 @@ def _input_max_split(weight: torch.Tensor) -> int:
     return _MAX_SPLIT if weight.shape[1] > weight.shape[0] else 0
 
 
-def _mm(a, a_fmt, sa, b_t, b_fmt, sb, out_dtype, bias=None, fast_accum=False, out=None):
+def fp8_mm(a, a_fmt, sa, b_t, b_fmt, sb, out_dtype, bias=None, fast_accum=False, out=None):
     """a (M, K) row-major codes @ b_t.t() (b_t: (N, K) row-major codes): cuBLASLt's layout;
     `sa`, `sb` their scales (_pow2 of their exponents: eagerly each made once per tensor, as
     it costs host time per GEMM)."""
@@ -91,12 +91,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
             if torch.compiler.is_compiling():
                 # Functional, as measured on the H100: an out= call would be functionalized
                 # into a GEMM plus a copy.
-                y = _mm(xq, f_in, sx, wq, f_w, sw, out_dtype, b, fast_accum).view(*x_nd.shape[:-1], n)
+                y = fp8_mm(xq, f_in, sx, wq, f_w, sw, out_dtype, b, fast_accum).view(*x_nd.shape[:-1], n)
             else:
                 # Eagerly written into the N-D output: a reshaped view as a module's output
                 # trips FSDP2's check on outputs that are views.
                 y = x.new_empty((*x_nd.shape[:-1], n), dtype=out_dtype)
-                _mm(xq, f_in, sx, wq, f_w, sw, out_dtype, b, fast_accum, out=y.view(-1, n))
+                fp8_mm(xq, f_in, sx, wq, f_w, sw, out_dtype, b, fast_accum, out=y.view(-1, n))
             if bias is not None and not fused_bias:
                 y = y + bias.to(out_dtype)
         else:
@@ -144,11 +144,11 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 # In the compute dtype, then cast, as nn.Linear under autocast does: an FP32
                 # input (an FP32 RMSNorm's output) would otherwise get an FP32 GEMM output,
                 # twice the bytes written and read again by the next kernel.
-                dx = _mm(gq, f_g, sg, wq_t, f_w, sw, ctx.out_dtype).to(ctx.x_dtype)
+                dx = fp8_mm(gq, f_g, sg, wq_t, f_w, sw, ctx.out_dtype).to(ctx.x_dtype)
             if need_dw:
                 # Both transposed copies carry the same zero padding of the token dim.
                 # Compiled, the scale made again as it was traced before (graphs unchanged).
-                dw = _mm(gq_t, f_g, sg if ctx.scales is not None else _pow2(eg), xq_t, f_in, sx, ctx.w_dtype)
+                dw = fp8_mm(gq_t, f_g, sg if ctx.scales is not None else _pow2(eg), xq_t, f_in, sx, ctx.w_dtype)
         elif need_dx or need_dw:
             if need_dx:
                 dx = (gy @ weight_or_codes.to(gy.dtype)).to(ctx.x_dtype)

@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .._compat.deepspeed import zero3_partitioned
+from ..config import Fp8LinearConfig
 from .linear_ce import IGNORE_INDEX, linear_cross_entropy
 
 __all__ = ["fuse_lm_head_loss", "SUPPORTED"]
@@ -27,7 +28,8 @@ _FUSED = "_coat_fused_head_loss"  # marks our subclasses
 _fused_classes: dict[type, type] = {}
 
 
-def fuse_lm_head_loss(model: nn.Module, *, chunk_tokens: int | None = None) -> nn.Module:
+def fuse_lm_head_loss(model: nn.Module, *, chunk_tokens: int | None = None,
+                      fp8: Fp8LinearConfig | None = None) -> nn.Module:
     """Make `model`'s loss skip its full logits: the LM head's cross-entropy is computed in
     chunks of `chunk_tokens` tokens (default: ~256 MiB of logits per chunk, as the loss holds them), each chunk's
     gradient made at once (coat_ds.loss.linear_cross_entropy). Saves about
@@ -50,12 +52,19 @@ def fuse_lm_head_loss(model: nn.Module, *, chunk_tokens: int | None = None) -> n
     root's forward) and DeepSpeed ZeRO-1/2. Refused at the first forward with labels: DeepSpeed
     ZeRO-3 (the weight is partitioned outside the head's own call), a head sharded on its own
     (fully_shard(lm_head)), a head that is not a plain nn.Linear. Idempotent; returns `model`.
+
+    `fp8` (off by default): the head's three GEMMs in FP8 with this Fp8LinearConfig's formats,
+    backend and forward accumulation, as an Fp8Linear layer computes (linear_cross_entropy's
+    `fp8`; the output gradient per chunk in its `grad_format`, E5M2 by default). Accuracy:
+    docs/head_loss.md.
     """
     if isinstance(chunk_tokens, bool) or not (chunk_tokens is None or (isinstance(chunk_tokens, int)
                                                                        and chunk_tokens >= 1)):
         raise ValueError(f"fuse_lm_head_loss: chunk_tokens must be a positive int or None, got {chunk_tokens!r}")
+    if fp8 is not None and not isinstance(fp8, Fp8LinearConfig):
+        raise TypeError(f"fuse_lm_head_loss: fp8 must be an Fp8LinearConfig or None, got {type(fp8).__name__}")
     if hasattr(model, "fused_head_loss"):  # coat_ds.models.llama.Llama (not imported: it imports this package)
-        model.fused_head_loss, model.head_loss_chunk_tokens = True, chunk_tokens
+        model.fused_head_loss, model.head_loss_chunk_tokens, model.head_loss_fp8 = True, chunk_tokens, fp8
         return model
     hf_class = _hf_class(type(model))
     if hf_class is None:
@@ -72,6 +81,7 @@ def fuse_lm_head_loss(model: nn.Module, *, chunk_tokens: int | None = None) -> n
     if not getattr(type(model), _FUSED, False):
         model.__class__ = _fused_class(type(model))
     setattr(model, "_coat_head_loss_chunk_tokens", chunk_tokens)
+    setattr(model, "_coat_head_loss_fp8", fp8)
     return model
 
 
@@ -132,7 +142,8 @@ def _fused_forward(self, named: dict):
     weight, bias = head_params(self.get_output_embeddings(), type(self).__name__)
     loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, shift_labels.reshape(-1), bias,
                                 num_items_in_batch=named.get("num_items_in_batch"), ignore_index=ignore_index,
-                                chunk_tokens=getattr(self, "_coat_head_loss_chunk_tokens", None))
+                                chunk_tokens=getattr(self, "_coat_head_loss_chunk_tokens", None),
+                                fp8=getattr(self, "_coat_head_loss_fp8", None))
     cls = CausalLMOutputWithCrossAttentions if hasattr(outputs, "cross_attentions") else CausalLMOutputWithPast
     fields = {f: getattr(outputs, f) for f in cls.__dataclass_fields__ if f not in ("loss", "logits")
               and hasattr(outputs, f)}

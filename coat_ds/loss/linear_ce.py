@@ -18,11 +18,12 @@ What is held from forward to backward is grad_hidden (N x hidden) and grad_weigh
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from ..config import _BACKENDS
+from ..config import _BACKENDS, Fp8LinearConfig
 from ..kernels import reference
 from ..kernels.ops import get_cross_entropy_ops
+from ..linear.layer import fp8_gemm_available
+from .head_gemms import Fp8HeadGemms, HeadGemms
 
 __all__ = ["linear_cross_entropy", "default_chunk_tokens", "IGNORE_INDEX"]
 
@@ -55,27 +56,23 @@ def _denominator(labels: torch.Tensor, num_items_in_batch, ignore_index: int) ->
     return torch.as_tensor(num_items_in_batch, device=labels.device).float()
 
 
-def _accumulate(grad_weight: torch.Tensor, grad: torch.Tensor, h: torch.Tensor) -> None:
-    """grad_weight (FP32) += grad.T @ h. On CUDA a 16-bit product accumulates into FP32 in the
-    GEMM itself (`out_dtype`); elsewhere it is made in its own dtype, then added."""
-    if grad.dtype == torch.float32:
-        grad_weight.addmm_(grad.t(), h)
-    elif grad.is_cuda:
-        torch.addmm(grad_weight, grad.t(), h, out_dtype=torch.float32, out=grad_weight)
-    else:
-        grad_weight += grad.t() @ h
+def _gemms(weight, bias, dtype, scale, fp8, need_h) -> HeadGemms | Fp8HeadGemms:
+    """The chunks' GEMMs, with the weight cast or quantized once for all of them (autocast
+    would cast it per chunk)."""
+    if fp8 is None:
+        return HeadGemms(weight, bias, dtype, scale)
+    return Fp8HeadGemms(weight, bias, dtype, scale, fp8, need_h)
 
 
 class LinearCrossEntropy(torch.autograd.Function):
     """sum over chunks of CE(hidden @ weight.T + bias, labels) / denominator; see the module doc."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, denominator, ignore_index, chunk_tokens, dtype, rows_ce):
+    def forward(ctx, hidden, weight, bias, labels, denominator, ignore_index, chunk_tokens, dtype, rows_ce, fp8):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         with torch.autocast(hidden.device.type, enabled=False):
-            w = weight.to(dtype)  # one cast for every chunk (autocast would make it per chunk)
-            b = None if bias is None else bias.to(dtype)
             scale = denominator.reciprocal().reshape(1)
+            gemms = _gemms(weight, bias, dtype, scale, fp8, need_h)
             grad_hidden = torch.empty_like(hidden) if need_h else None
             grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
             grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
@@ -83,16 +80,9 @@ class LinearCrossEntropy(torch.autograd.Function):
             for start in range(0, hidden.shape[0], chunk_tokens):
                 rows = slice(start, start + chunk_tokens)
                 h = hidden[rows].to(dtype)
-                grad = F.linear(h, w, b)
-                total += rows_ce(grad, labels[rows], scale, ignore_index).sum()  # grad: now the logits' gradient
-                if need_h and grad.dtype == hidden.dtype:
-                    torch.mm(grad, w, out=grad_hidden[rows])
-                elif need_h:
-                    grad_hidden[rows] = grad @ w
-                if need_w:
-                    _accumulate(grad_weight, grad, h)
-                if need_b:
-                    grad_bias += grad.sum(0, dtype=torch.float32)
+                grad = gemms.logits(h, need_w)
+                total += rows_ce(grad, labels[rows], gemms.ce_scale, ignore_index).sum()  # grad: now the logits' gradient
+                gemms.grads(grad, h, grad_hidden[rows] if need_h else None, grad_weight, grad_bias)
         # Kept on ctx, not save_for_backward: they are gradients, not activations, so the
         # saved-tensor hooks of compress_activations must not quantize them.
         ctx.grads = (grad_hidden,
@@ -108,15 +98,17 @@ class LinearCrossEntropy(torch.autograd.Function):
         grads, ctx.grads = ctx.grads, None
         # In place: these tensors are ours alone, and a copy would double the weight's gradient.
         scaled = [None if g is None else g.mul_(grad_output.to(g.dtype)) for g in grads]
-        return (*scaled, None, None, None, None, None, None)
+        return (*scaled, None, None, None, None, None, None, None)
 
 
-def _loss_only(hidden, weight, bias, labels, denominator, ignore_index, chunk_tokens, dtype, rows_ce) -> torch.Tensor:
+def _loss_only(hidden, weight, bias, labels, denominator, ignore_index, chunk_tokens, dtype, rows_ce,
+               fp8) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+    gemms = _gemms(weight, bias, dtype, None, fp8, False)
     for start in range(0, hidden.shape[0], chunk_tokens):
         rows = slice(start, start + chunk_tokens)
-        total += rows_ce(F.linear(hidden[rows].to(dtype), w, b), labels[rows], None, ignore_index).sum()
+        logits = gemms.logits(hidden[rows].to(dtype), False)
+        total += rows_ce(logits, labels[rows], None, ignore_index).sum()
     return total / denominator
 
 
@@ -127,7 +119,7 @@ def _loss_only(hidden, weight, bias, labels, denominator, ignore_index, chunk_to
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                          bias: torch.Tensor | None = None, *, num_items_in_batch=None,
                          ignore_index: int = IGNORE_INDEX, chunk_tokens: int | None = None,
-                         backend: str = "auto") -> torch.Tensor:
+                         backend: str = "auto", fp8: Fp8LinearConfig | None = None) -> torch.Tensor:
     """Mean token cross-entropy of `hidden @ weight.T + bias` against `labels`, as Hugging Face's
     `fixed_cross_entropy` gives it on FP32-upcast logits, without ever holding more than
     `chunk_tokens` rows of logits (default: `default_chunk_tokens`, ~256 MiB of logits as the
@@ -139,7 +131,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     the logits are made in autocast's dtype. Gradients are computed in forward; backward
     scales them. Runs eagerly under torch.compile (a graph break). `backend`: each chunk's
     loss and gradient by the Triton kernel ("triton"), its torch twin ("torch"), or "auto":
-    Triton on CUDA, the twin elsewhere."""
+    Triton on CUDA, the twin elsewhere. `fp8`: the head's three GEMMs in FP8 with this
+    config's formats, backend and forward accumulation, as an Fp8Linear's (head_gemms.py;
+    needs FP8 GEMMs: CUDA 8.9+ or CPU); None (default): in the compute dtype."""
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"linear_cross_entropy: labels of shape {tuple(labels.shape)} do not match the "
                          f"{tuple(hidden.shape[:-1])} tokens of hidden {tuple(hidden.shape)}")
@@ -148,6 +142,11 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
                          f"states of size {hidden.shape[-1]}")
     if backend not in _BACKENDS:
         raise ValueError(f"linear_cross_entropy: backend must be one of {_BACKENDS}, got {backend!r}")
+    if fp8 is not None and not isinstance(fp8, Fp8LinearConfig):
+        raise TypeError(f"linear_cross_entropy: fp8 must be an Fp8LinearConfig or None, got {type(fp8).__name__}")
+    if fp8 is not None and not fp8_gemm_available(hidden.device):
+        raise RuntimeError(f"linear_cross_entropy: fp8 needs FP8 GEMMs, which {hidden.device} lacks (CUDA compute "
+                           "capability 8.9+, or CPU); leave fp8=None there")
     rows_ce = get_cross_entropy_ops(hidden.device, backend, "linear_cross_entropy's backend")
     dtype = _compute_dtype(hidden, weight)
     if chunk_tokens is None:
@@ -157,6 +156,6 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         raise ValueError(f"linear_cross_entropy: chunk_tokens must be a positive int, got {chunk_tokens!r}")
     hidden2d, labels1d = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1).to(hidden.device)
     denominator = _denominator(labels1d, num_items_in_batch, ignore_index)
-    args = (hidden2d, weight, bias, labels1d, denominator, ignore_index, chunk_tokens, dtype, rows_ce)
+    args = (hidden2d, weight, bias, labels1d, denominator, ignore_index, chunk_tokens, dtype, rows_ce, fp8)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     return LinearCrossEntropy.apply(*args) if needs_grad else _loss_only(*args)

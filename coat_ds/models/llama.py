@@ -142,6 +142,7 @@ class Llama(nn.Module):
         # Set by coat_ds.fuse_lm_head_loss: the loss from chunks of the head's logits, never all of them.
         self.fused_head_loss = False
         self.head_loss_chunk_tokens: int | None = None
+        self.head_loss_fp8 = None  # an Fp8LinearConfig: the head's GEMMs in FP8
         self.apply(self._init)
         # GPT-2's scaled init of the residual projections keeps early activations bounded.
         for name, p in self.named_parameters():
@@ -168,7 +169,8 @@ class Llama(nn.Module):
             from ..loss.linear_ce import linear_cross_entropy
 
             weight, bias = head_params(self.head, type(self).__name__)
-            return linear_cross_entropy(x, weight, targets, bias, chunk_tokens=self.head_loss_chunk_tokens)
+            return linear_cross_entropy(x, weight, targets, bias, chunk_tokens=self.head_loss_chunk_tokens,
+                                        fp8=self.head_loss_fp8)
         logits = self.head(x)
         if targets is None:
             return logits
