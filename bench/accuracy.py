@@ -61,6 +61,7 @@ VARIANTS = {
     "coat_fp8_rfp8": "coat_fp8 with every block recomputed in backward from its input kept as FP8 codes",
     "coat_fp8_head": "coat_fp8 with the head's loss in chunks (fuse_lm_head_loss), head GEMMs in BF16",
     "coat_fp8_head8": "coat_fp8 with the head's loss in chunks and the head's GEMMs in FP8 (fp8=Fp8LinearConfig())",
+    "coat_fp8_head8x": "coat_fp8_head8 with the logits' GEMM accumulating in full precision (fast_accum=False)",
     # A negative control, not run by default: per-group absmax FP8 moments without DRE. It
     # shows that the parity measurement can tell a good quantizer from a poor one.
     "coat_nodre": "CoatAdamW without DRE (control)",
@@ -129,8 +130,9 @@ def run_variant(variant: str, args, data, device: torch.device) -> dict:
     # The method at any size: eagerly small layers would otherwise stay exact (eager_min_*).
     compress = variant == "coat_act" or variant.startswith("coat_fp8")
     handle = compress_activations(model, config=ActivationConfig(eager_min_region_numel=0)) if compress else None
-    if variant in ("coat_fp8_head", "coat_fp8_head8"):
-        fuse_lm_head_loss(model, fp8=Fp8LinearConfig() if variant == "coat_fp8_head8" else None)
+    if variant.startswith("coat_fp8_head"):
+        head = {"coat_fp8_head8": Fp8LinearConfig(), "coat_fp8_head8x": Fp8LinearConfig(fast_accum=False)}
+        fuse_lm_head_loss(model, fp8=head.get(variant))
     if variant.endswith("_rfp8"):
         plan = Plan.uniform([f for f, _ in decoder_layers(model)], "recompute", args.batch_size, args.seq_len)
         apply_plan(model, plan, config=ApplyConfig(recompute_input_fp8=True))

@@ -79,7 +79,9 @@ class ActivationCompression:
         self._compile_settings = compile_settings(config)
         self.regions = [fqn for fqn, _ in regions]
         self._region_names = {id(m): fqn for fqn, m in regions}
-        self._told: set = set()  # (region class, numel) logged as too small to compress eagerly
+        # (region class, numel) logged as too small to compress eagerly: the first as a
+        # WARNING (shown without logging configured), the rest as INFO.
+        self._told: set = set()
         self.enabled = True
         self._contexts: list = []
         self._handles = []
@@ -137,8 +139,9 @@ class ActivationCompression:
             return False
         key = (type(module), n)
         if key not in self._told:
+            level = logging.INFO if self._told else logging.WARNING
             self._told.add(key)
-            logger.info("compress_activations: %s (%s) called on an input of %d elements < eager_min_region_numel %d: "
+            logger.log(level, "compress_activations: %s (%s) called on an input of %d elements < eager_min_region_numel %d: "
                         "its eagerly saved tensors are not compressed (at this size the hooks' host work would slow "
                         "the step more than the GPU hides; compiled graphs, and ActivationConfig("
                         "eager_min_region_numel=0), compress)",

@@ -20,7 +20,9 @@ logger = logging.getLogger("coat_ds.linear")
 # 0.5 ms more host work per step than nn.Linear, which its GEMMs save back from about here
 # (docs/benchmarks.md, "Where FP8 pays").
 CUDA_EAGER_MIN_MACS = 2 ** 36
-_told: set = set()  # (in, out, tokens) already logged as running as nn.Linear
+# (in, out, tokens) already logged as running as nn.Linear. The first is a WARNING, so that it
+# shows without logging configured (HF Trainer's and train.py's case); the rest are INFO.
+_told: set = set()
 
 
 def eager_min_macs(config: Fp8LinearConfig, device: torch.device) -> int:
@@ -34,8 +36,9 @@ def eager_min_macs(config: Fp8LinearConfig, device: torch.device) -> int:
 def _tell_small(in_f: int, out_f: int, tokens: int, limit: int) -> None:
     key = (in_f, out_f, tokens)
     if key not in _told:
+        level = logging.INFO if _told else logging.WARNING
         _told.add(key)
-        logger.info("Fp8Linear %d x %d at %d tokens: %.3g G multiply-adds < eager_min_macs %.3g G, so it runs eagerly "
+        logger.log(level, "Fp8Linear %d x %d at %d tokens: %.3g G multiply-adds < eager_min_macs %.3g G, so it runs eagerly "
                     "as nn.Linear (FP8's host work would outlast what its GEMMs save; compiled, or with "
                     "Fp8LinearConfig(eager_min_macs=0), it runs in FP8)", in_f, out_f, tokens,
                     in_f * out_f * tokens / 1e9, limit / 1e9)
