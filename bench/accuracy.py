@@ -233,6 +233,7 @@ def run_parity(args, argv) -> int:
         return run_seeds(args, argv)
     args.seed = args.seeds[0]
     device = torch.device(args.device)
+    torch.backends.cuda.enable_cudnn_sdp(not args.no_cudnn_attention)
     data = load_data(DataConfig(max_bytes=args.max_data_bytes))
     if args.pair_vocab:
         data = pair_tokens(data, args.pair_vocab)
@@ -244,7 +245,7 @@ def run_parity(args, argv) -> int:
                 torch=torch.__version__, preset=args.preset, params=cfg.num_params(), steps=args.steps,
                 tokens_per_step=args.batch_size * args.seq_len, precision="bf16 autocast" if device.type == "cuda"
                 and not args.fp32 else "fp32", data=data.description, lr=args.lr, warmup=args.warmup,
-                seed=args.seed, compiled=args.compile)
+                seed=args.seed, compiled=args.compile, cudnn_attention=not args.no_cudnn_attention)
     print(json.dumps(meta), flush=True)
     t0, results = time.time(), []
     for v in variants:
@@ -599,6 +600,8 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default="adamw,coat,coat_act", help="comma-separated subset of " + ",".join(VARIANTS))
     p.add_argument("--fp32", action="store_true", help="no BF16 autocast on CUDA")
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder block (every variant)")
+    p.add_argument("--no-cudnn-attention", action="store_true", help="SDPA without cuDNN's kernels (train.py's "
+                   "--no-cudnn-attention)")
     p.add_argument("--max-data-bytes", type=int, default=32_000_000)
     p.add_argument("--pair-vocab", type=int, default=0, help="tokens of this vocabulary (> 256): byte pairs, the "
                    "most frequent as one token each (pair_tokens); 0: bytes")
