@@ -390,10 +390,10 @@ def _fsdp_worker(rank: int, world: int, init: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     ids, labels = _batch(seed=10 + rank)
     results = []
-    for fuse in (False, True):
+    for fuse, fp8 in ((False, None), (True, None), (True, coat_ds.Fp8LinearConfig())):
         model = _hf("llama", tie=True)
         if fuse:
-            coat_ds.fuse_lm_head_loss(model, chunk_tokens=9)
+            coat_ds.fuse_lm_head_loss(model, chunk_tokens=9, fp8=fp8)
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)  # the head, embedding and norm in the root's group
@@ -402,9 +402,12 @@ def _fsdp_worker(rank: int, world: int, init: str) -> None:
         out.loss.backward()
         grad = model.lm_head.weight.grad.full_tensor()
         results.append((out.loss.detach(), grad))
-    (ref, ref_grad), (out, out_grad) = results
+    (ref, ref_grad), (out, out_grad), (out8, out8_grad) = results
     assert abs(out.item() - ref.item()) <= 1e-5 * ref.item(), (rank, out.item(), ref.item())
     assert _sqnr_db(out_grad, ref_grad) >= 90
+    # The head's GEMMs in FP8 (test_head_loss_fp8.py's bounds): the sharded head works alike.
+    assert abs(out8.item() - ref.item()) <= 2e-3 * ref.item(), (rank, out8.item(), ref.item())
+    assert 24 <= _sqnr_db(out8_grad, ref_grad) < 60
     end_worker()
 
 
