@@ -19,7 +19,7 @@ __all__ = ["compress_activations", "ActivationCompression", "activation_stats"]
 logger = logging.getLogger("coat_ds.activation")
 # ActivationConfig.eager_min_region_numel's default on CUDA: eagerly the hooks cost host time per
 # saved tensor (~37 per Llama decoder layer), which an H100 hides behind the layer's kernels
-# only from about here (docs/benchmarks.md, "Where compression pays eagerly").
+# only from about here (docs/benchmarks.md, "the eager size limits").
 CUDA_EAGER_MIN_REGION_NUMEL = 2 ** 24
 
 
@@ -141,11 +141,11 @@ class ActivationCompression:
         if key not in self._told:
             level = logging.INFO if self._told else logging.WARNING
             self._told.add(key)
-            logger.log(level, "compress_activations: %s (%s) called on an input of %d elements < eager_min_region_numel %d: "
-                        "its eagerly saved tensors are not compressed (at this size the hooks' host work would slow "
-                        "the step more than the GPU hides; compiled graphs, and ActivationConfig("
-                        "eager_min_region_numel=0), compress)",
-                        self._region_names.get(id(module), "?") or "the model", type(module).__name__, n, limit)
+            logger.log(level, "compress_activations: %s (%s) called on an input of %d elements < "
+                       "eager_min_region_numel %d: its eagerly saved tensors are not compressed (at this size the "
+                       "hooks' host work would slow the step more than the GPU hides; compiled graphs, and "
+                       "ActivationConfig(eager_min_region_numel=0), compress)",
+                       self._region_names.get(id(module), "?") or "the model", type(module).__name__, n, limit)
         return True
 
     @torch.compiler.disable

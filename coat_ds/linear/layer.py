@@ -18,7 +18,7 @@ _GUESS = "fp8_weight_guess"
 logger = logging.getLogger("coat_ds.linear")
 # Fp8LinearConfig.eager_min_macs's default on CUDA: on an H100 an eager FP8 layer costs about
 # 0.5 ms more host work per step than nn.Linear, which its GEMMs save back from about here
-# (docs/benchmarks.md, "Where FP8 pays").
+# (docs/benchmarks.md, "the eager size limits": FP8 won eagerly at 1b with 16k tokens, lost at 8k).
 CUDA_EAGER_MIN_MACS = 2 ** 36
 # (in, out, tokens) already logged as running as nn.Linear. The first is a WARNING, so that it
 # shows without logging configured (HF Trainer's and train.py's case); the rest are INFO.
@@ -38,10 +38,10 @@ def _tell_small(in_f: int, out_f: int, tokens: int, limit: int) -> None:
     if key not in _told:
         level = logging.INFO if _told else logging.WARNING
         _told.add(key)
-        logger.log(level, "Fp8Linear %d x %d at %d tokens: %.3g G multiply-adds < eager_min_macs %.3g G, so it runs eagerly "
-                    "as nn.Linear (FP8's host work would outlast what its GEMMs save; compiled, or with "
-                    "Fp8LinearConfig(eager_min_macs=0), it runs in FP8)", in_f, out_f, tokens,
-                    in_f * out_f * tokens / 1e9, limit / 1e9)
+        logger.log(level, "Fp8Linear %d x %d at %d tokens: %.3g G multiply-adds < eager_min_macs %.3g G, so it "
+                   "runs eagerly as nn.Linear (FP8's host work would outlast what its GEMMs save; compiled, or with "
+                   "Fp8LinearConfig(eager_min_macs=0), it runs in FP8)", in_f, out_f, tokens,
+                   in_f * out_f * tokens / 1e9, limit / 1e9)
 
 
 def fp8_gemm_available(device: torch.device) -> bool:

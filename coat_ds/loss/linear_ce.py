@@ -5,7 +5,8 @@ An LM head turns N tokens into an N x vocab logits tensor; Hugging Face's loss t
 it to FP32, and backward makes an FP32 gradient of the same shape: 2 + 4 + 4 bytes per token
 per vocabulary entry, several GB at 16k tokens and a 32k vocabulary, all alive around the
 start of backward. Here forward walks the tokens in chunks; for each chunk it makes the
-logits (in the matmul's dtype: BF16 under autocast, as the head's own linear gives them),
+logits (in the matmul's dtype: BF16 under autocast, as the head's own linear gives them; or
+from FP8 GEMMs, an option: head_gemms.py),
 computes the chunk's loss in FP32 as Hugging Face's ForCausalLMLoss does on its upcast,
 and in the same pass turns the logits in place into their gradient (softmax - one_hot,
 divided by the loss's denominator): one Triton kernel on a GPU, with no FP32 copy
@@ -81,7 +82,8 @@ class LinearCrossEntropy(torch.autograd.Function):
                 rows = slice(start, start + chunk_tokens)
                 h = hidden[rows].to(dtype)
                 grad = gemms.logits(h, need_w)
-                total += rows_ce(grad, labels[rows], gemms.ce_scale, ignore_index).sum()  # grad: now the logits' gradient
+                # grad: from here the logits' gradient
+                total += rows_ce(grad, labels[rows], gemms.ce_scale, ignore_index).sum()
                 gemms.grads(grad, h, grad_hidden[rows] if need_h else None, grad_weight, grad_bias)
         # Kept on ctx, not save_for_backward: they are gradients, not activations, so the
         # saved-tensor hooks of compress_activations must not quantize them.
