@@ -262,7 +262,8 @@ def run_loop(args) -> dict:
         opt = (torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
                                  fused=dev.type == "cuda") if variant == "adamw" else
                CoatAdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1))
-        handle = compress_activations(model, config=ActivationConfig(eager_min_region_numel=0)) if variant == "coat_act" else None
+        act = ActivationConfig(eager_min_region_numel=0)  # the method, also where the default keeps tensors exact
+        handle = compress_activations(model, config=act) if variant == "coat_act" else None
         for block in model.blocks if args.compile else ():
             block.compile()
         phases = {k: [] for k in ("step", "forward", "backward", "clip", "opt.step", "opt.step host")}

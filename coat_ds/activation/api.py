@@ -110,12 +110,12 @@ class ActivationCompression:
         comp = self.compressor
         # Entry: (hooks' context, AOTAutograd options before, whether eager tensors compress).
         compress = not self._too_small(module, args, kwargs)
-        if compress and self.config.keep_region_leaf_inputs:
-            for a in (*args, *kwargs.values()):
-                for t in (a if isinstance(a, (tuple, list)) else (a,)):
-                    if isinstance(t, torch.Tensor) and t.grad_fn is None:
-                        comp.note_alive_anyway(t)
-        if compress:
+        if compress:  # what the caller holds anyway: only the full pack reads it
+            if self.config.keep_region_leaf_inputs:
+                for a in (*args, *kwargs.values()):
+                    for t in (a if isinstance(a, (tuple, list)) else (a,)):
+                        if isinstance(t, torch.Tensor) and t.grad_fn is None:
+                            comp.note_alive_anyway(t)
             for m in self._region_modules[id(module)]:
                 for b in m._buffers.values():
                     comp.note_alive_anyway(b)

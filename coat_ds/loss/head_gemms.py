@@ -10,7 +10,7 @@ max and E4M3 only to 2**-18). That gradient is quantized before its division by 
 denominator, which goes into the GEMMs' scale instead: divided first, every row's target
 entry (1 - p) / N rounds alike, so early in training, with p near 0, each row's gradient
 would be off by the same up to 12.5% (E5M2's 2 mantissa bits) in its pull toward the target
-(measured 21.6 dB, against 28 dB undivided, on the test data)."""
+(measured on the test data: 21.6 dB divided first, 31.4 dB undivided)."""
 from __future__ import annotations
 
 import torch
