@@ -41,7 +41,9 @@ import torch
 
 SIDES = ("bf16", "bf16_ckpt", "torchao", "coat", "coat_fp8", "coat_fp8_triton", "coat_fp8_keepw", "coat_fp8_sib",
          "coat_fp8_fused", "coat_fp8_headloss", "coat_fp8_sib_headloss", "coat_fp8_headloss8",
-         "coat_fp8_sib_headloss8",
+         "coat_fp8_sib_headloss8", "coat_fp8_headloss8x", "coat_fp8_nocomp_headloss",
+         "coat_fp8_keepw_headloss", "coat_fp8_nocomp_keepw_headloss", "coat_fp8_nocomp_headloss8x",
+         "coat_fp8_mlpcomp_headloss", "coat_fp8_mlpcomp_keepw_headloss",
          # The eager crossover: FP8 GEMMs forced on (f8) or off (nof8), compression forced on (ca)
          # or off (noca), whatever the size (coat_fp8_fused leaves both to the defaults).
          "coat_fp8_fused_f8_ca", "coat_fp8_fused_f8_noca", "coat_fp8_fused_nof8_ca", "coat_fp8_fused_nof8_noca")
@@ -73,23 +75,25 @@ def build(shape: str, side: str, seq: int, compiled: bool, backend: str | None =
     lin, act = eager_limits(side)
     if side.startswith("coat_fp8"):
         # Only the options a side sets: older trees (--tree) lack the newer ones.
-        kw = {"coat_fp8_triton": dict(backend="triton"), "coat_fp8_keepw": dict(keep_weight_codes=True)}.get(side, lin)
+        kw = dict(lin, **({"backend": "triton"} if side == "coat_fp8_triton" else {}),
+                  **({"keep_weight_codes": True} if "_keepw" in side else {}))
         cfg = coat_ds.Fp8LinearConfig(**{**kw, **be})
         coat_ds.convert_to_fp8_linear(model, config=cfg)
         if side.startswith("coat_fp8_fused"):  # eager speed only: compiled, the modules run their own code
             coat_ds.fuse_rms_norms(model, **({"config": cfg} if be or lin else {}))
             coat_ds.fuse_swiglu(model, **({"config": cfg} if be or lin else {}))
     if side.startswith("coat"):
-        layers = {id(m) for m in C.decoder_layers(model)}
-        act = {**act, **be}
-        coat_ds.compress_activations(model, **({"config": coat_ds.ActivationConfig(**act)} if act else {}),
-                                     module_filter_fn=lambda m, fqn: id(m) in layers)
+        if "_nocomp" not in side:  # _nocomp: activations saved as autograd keeps them; _mlpcomp: the MLPs' only
+            layers = {id(m.mlp if "_mlpcomp" in side else m) for m in C.decoder_layers(model)}
+            act = {**act, **be}
+            coat_ds.compress_activations(model, **({"config": coat_ds.ActivationConfig(**act)} if act else {}),
+                                         module_filter_fn=lambda m, fqn: id(m) in layers)
         opt = coat_ds.CoatAdamW(model.parameters(), lr=1e-4, weight_decay=0.0, **be,
                                 **({"step_in_backward": True} if "_sib" in side else {}))
         if side.endswith("_headloss"):
             coat_ds.fuse_lm_head_loss(model)
-        elif side.endswith("_headloss8"):  # the head's GEMMs in FP8 too
-            coat_ds.fuse_lm_head_loss(model, fp8=coat_ds.Fp8LinearConfig())
+        elif side.endswith(("_headloss8", "_headloss8x")):  # the head's GEMMs in FP8 too; 8x: exact accumulation
+            coat_ds.fuse_lm_head_loss(model, fp8=coat_ds.Fp8LinearConfig(fast_accum=not side.endswith("x")))
     else:
         # Fused on the census's CPU too: one step op per tensor list, as on a GPU.
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0,
@@ -117,7 +121,7 @@ def run_side(args, shape: str, side: str) -> dict:
            "loss": float(losses[-1]), "params": sum(p.numel() for p in model.parameters()),
            **phase_ms(model, opt, ids, args.steps)}
     if args.profile:
-        print("\n".join(C.kernel_table(step, 70)), flush=True)
+        print("\n".join(C.kernel_table(step, args.profile)), flush=True)
     if args.trace:
         from torch.profiler import ProfilerActivity, profile
 
@@ -407,7 +411,8 @@ def main(argv=None) -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--eager", action="store_true", help="no torch.compile")
-    ap.add_argument("--profile", action="store_true", help="print each side's top kernels of one step")
+    ap.add_argument("--profile", nargs="?", type=int, const=70, default=None, metavar="ROWS",
+                    help="print each side's top kernels of one step (70 rows, or ROWS)")
     ap.add_argument("--trace", default=None, help="write each side's chrome trace of one step into this folder")
     ap.add_argument("--gaps", default=None, help="analyse a chrome trace (--trace's) and exit")
     ap.add_argument("--top", type=int, default=25, help="--gaps: rows listed")

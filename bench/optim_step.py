@@ -13,7 +13,8 @@ with the portable FP8 coding forced (GPUs before compute capability 8.9); --peer
 AdamWFp8 / AdamW8bit and bitsandbytes AdamW8bit (state: what their first step allocated).
 --host: ZeRO-Offload's host step on one flat CPU partition, the cases timed in turns, against
 torch AdamW(foreach=True) (and DeepSpeedCPUAdam where it builds). --stub-launch: the Python work
-per tensor that a GPU step pays before its launch, on CPU, with the Triton launch removed.
+per tensor that a GPU step pays before its launch, on CPU, with the Triton launch removed, and
+what autograd spends calling a do-nothing Python hook per tensor (step_in_backward's floor).
 --loop: phases of the 350m preset's training step (12 x 1024 tokens, BF16 autocast, an LR that
 changes every step, clipping, loss.item()), torch AdamW vs CoatAdamW vs CoatAdamW + FP8 activations.
 """
@@ -233,7 +234,34 @@ def run_stub_launch(args) -> dict:
         rows.append({"mode": "step_in_backward" if in_backward else "step()", "tensors": len(params),
                      "host_ms_min": min(wall), "host_ms": statistics.median(wall), "cpu_ms_min": min(cpu),
                      "cpu_ms": statistics.median(cpu)})
+    rows.append(hook_floor(params, args.iters))
     return {"rows": rows}
+
+
+def hook_floor(params: list[torch.Tensor], iters: int) -> dict:
+    """What autograd itself spends calling one Python post-accumulate-grad hook per tensor
+    (hooks that do nothing): the same backward timed with and without them, in turns, the
+    difference of the medians. step_in_backward cannot cost less than this over step()."""
+    def backward_times(hooked: bool) -> tuple[float, float]:
+        handles = [p.register_post_accumulate_grad_hook(lambda p: None) for p in params] if hooked else []
+        loss = sum((p * p).sum() for p in params)
+        t0, c0 = time.perf_counter(), time.thread_time()
+        loss.backward()
+        times = (time.perf_counter() - t0) * 1e3, (time.thread_time() - c0) * 1e3
+        for h in handles:
+            h.remove()
+        for p in params:
+            p.grad = None
+        return times
+
+    runs = {False: [], True: []}
+    for i in range(2 * iters):
+        runs[bool(i % 2)].append(backward_times(bool(i % 2)))
+    med = {k: [statistics.median(t[j] for t in v) for j in (0, 1)] for k, v in runs.items()}
+    mins = {k: [min(t[j] for t in v) for j in (0, 1)] for k, v in runs.items()}
+    return {"mode": "no-op hooks' own cost in backward", "tensors": len(params),
+            "host_ms_min": mins[True][0] - mins[False][0], "host_ms": med[True][0] - med[False][0],
+            "cpu_ms_min": mins[True][1] - mins[False][1], "cpu_ms": med[True][1] - med[False][1]}
 
 
 def stub_table(res: dict) -> list[str]:

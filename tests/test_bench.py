@@ -59,15 +59,16 @@ def test_script_imports_and_answers_help(name, capsys):
 
 
 @pytest.mark.parametrize("argv, rows", [
-    (["bench/optim_step.py", "--stub-launch", "--iters", "5"], 2),
+    (["bench/optim_step.py", "--stub-launch", "--iters", "5"], 3),
     (["bench/optim_step.py", "--host", "--numel", "65536", "--iters", "2", "--no-ds", "--fallback"], 2),
     (["bench/optim_step.py", "--loop", "--tiny"], 3),
     (["bench/activations.py", "--tiny"], 2),
     (["bench/activations.py", "--host", "--steps", "1"], 5),
     (["bench/fp8_linear.py", "--saved-bytes"], 3),
     (["bench/fp8_linear.py", "--census", "--reps", "1"], 6),
-    (["bench/fp8_linear.py", "--shape", "tiny", "--sides", "bf16", "coat_fp8", "coat_fp8_fused", "--eager", "--bs", "2",
-      "--seq", "64", "--steps", "1"], 3),
+    (["bench/fp8_linear.py", "--shape", "tiny", "--sides", "bf16", "coat_fp8", "coat_fp8_fused",
+      "coat_fp8_nocomp_headloss", "coat_fp8_mlpcomp_keepw_headloss", "--eager", "--bs", "2", "--seq", "64", "--steps",
+      "1"], 5),
     (["bench/accuracy.py", "quant-table", "--preset", "tiny", "--steps", "3", "--zero-steps", "3"], 2),
 ])
 def test_cpu_mode_prints_its_table(argv, rows):
@@ -80,7 +81,7 @@ def test_optim_step_ab_runs_each_tree_in_turn(tmp_path):
     out = _run("bench/optim_step.py", "--stub-launch", "--iters", "3", "--tree", ROOT, "--rounds", "1",
                "--out", str(tmp_path))
     rows = json.loads((tmp_path / "optim_stub_launch_ab.json").read_text())
-    assert [r["tree"] for r in rows] == ["other", "other", "this", "this"]  # step() and step_in_backward
+    assert [r["tree"] for r in rows] == ["other"] * 3 + ["this"] * 3  # step(), step_in_backward, the hooks' floor
     assert _last_table(out)[2].startswith("| 219 tensors, step() |")
 
 

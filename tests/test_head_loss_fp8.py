@@ -81,6 +81,29 @@ def test_triton_kernels_give_the_twins_result():
         assert torch.equal(a, b)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fast_accum", [True, False])
+def test_cuda_fp8_head_at_a_llama_vocabulary(fast_accum):
+    """The CUDA path (cuBLAS FP8 GEMMs, the Triton loss kernel) at vocabulary 32000 under BF16
+    autocast, against the exact chunked loss: the same bounds as on CPU."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    h = torch.randn(4096, 512, device="cuda", generator=g).requires_grad_()
+    w = (torch.randn(32000, 512, device="cuda", generator=g) * 0.05).requires_grad_()
+    labels = torch.randint(0, 32000, (4096,), device="cuda", generator=g)
+    labels[::10] = -100
+
+    def run(**kw):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = linear_cross_entropy(h, w, labels, chunk_tokens=1000, **kw)
+        return loss.detach(), torch.autograd.grad(loss, (h, w))
+
+    ref, ref_g = run()
+    got, got_g = run(fp8=Fp8LinearConfig(fast_accum=fast_accum))
+    assert torch.isfinite(got) and abs(got.item() - ref.item()) <= 2e-3 * ref.item()
+    for r, g_ in zip(ref_g, got_g):
+        assert torch.isfinite(g_).all() and 25 < sqnr_db(r, g_) < 60
+
+
 def _hf_llama(vocab=512):
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
