@@ -43,7 +43,6 @@ SIDES = ("bf16", "bf16_ckpt", "torchao", "coat", "coat_fp8", "coat_fp8_triton", 
          "coat_fp8_fused", "coat_fp8_headloss", "coat_fp8_sib_headloss", "coat_fp8_headloss8",
          "coat_fp8_sib_headloss8", "coat_fp8_headloss8x", "coat_fp8_nocomp_headloss",
          "coat_fp8_keepw_headloss", "coat_fp8_nocomp_keepw_headloss", "coat_fp8_nocomp_headloss8x",
-         "coat_fp8_mlpcomp_headloss", "coat_fp8_mlpcomp_keepw_headloss",
          # The eager crossover: FP8 GEMMs forced on (f8) or off (nof8), compression forced on (ca)
          # or off (noca), whatever the size (coat_fp8_fused leaves both to the defaults).
          "coat_fp8_fused_f8_ca", "coat_fp8_fused_f8_noca", "coat_fp8_fused_nof8_ca", "coat_fp8_fused_nof8_noca")
@@ -83,8 +82,8 @@ def build(shape: str, side: str, seq: int, compiled: bool, backend: str | None =
             coat_ds.fuse_rms_norms(model, **({"config": cfg} if be or lin else {}))
             coat_ds.fuse_swiglu(model, **({"config": cfg} if be or lin else {}))
     if side.startswith("coat"):
-        if "_nocomp" not in side:  # _nocomp: activations saved as autograd keeps them; _mlpcomp: the MLPs' only
-            layers = {id(m.mlp if "_mlpcomp" in side else m) for m in C.decoder_layers(model)}
+        if "_nocomp" not in side:  # _nocomp: activations saved as autograd keeps them
+            layers = {id(m) for m in C.decoder_layers(model)}
             act = {**act, **be}
             coat_ds.compress_activations(model, **({"config": coat_ds.ActivationConfig(**act)} if act else {}),
                                          module_filter_fn=lambda m, fqn: id(m) in layers)

@@ -67,7 +67,7 @@ def test_script_imports_and_answers_help(name, capsys):
     (["bench/fp8_linear.py", "--saved-bytes"], 3),
     (["bench/fp8_linear.py", "--census", "--reps", "1"], 6),
     (["bench/fp8_linear.py", "--shape", "tiny", "--sides", "bf16", "coat_fp8", "coat_fp8_fused",
-      "coat_fp8_nocomp_headloss", "coat_fp8_mlpcomp_keepw_headloss", "--eager", "--bs", "2", "--seq", "64", "--steps",
+      "coat_fp8_nocomp_headloss", "coat_fp8_nocomp_keepw_headloss", "--eager", "--bs", "2", "--seq", "64", "--steps",
       "1"], 5),
     (["bench/accuracy.py", "quant-table", "--preset", "tiny", "--steps", "3", "--zero-steps", "3"], 2),
 ])
