@@ -85,7 +85,7 @@ def test_triton_kernels_give_the_twins_result():
 @pytest.mark.parametrize("fast_accum", [True, False])
 def test_cuda_fp8_head_at_a_llama_vocabulary(fast_accum):
     """The CUDA path (cuBLAS FP8 GEMMs, the Triton loss kernel) at vocabulary 32000 under BF16
-    autocast, against the exact chunked loss: the same bounds as on CPU."""
+    autocast, against the exact chunked loss: the loss within 0.2%, every gradient 25-60 dB."""
     g = torch.Generator(device="cuda").manual_seed(3)
     h = torch.randn(4096, 512, device="cuda", generator=g).requires_grad_()
     w = (torch.randn(32000, 512, device="cuda", generator=g) * 0.05).requires_grad_()
