@@ -54,6 +54,7 @@ VARIANTS = {
     "coat": "CoatAdamW (FP8 moments, DRE)",
     "coat_act": "CoatAdamW + FP8 activations",
     "coat_fp8": "CoatAdamW + FP8 activations + FP8 linears",
+    "coat_fp8lin": "CoatAdamW + FP8 linears, activations saved as autograd keeps them",
     "coat_fp8_e4m3g": "CoatAdamW + FP8 activations + FP8 linears, E4M3 output gradients",
     "coat_sib": "coat with step_in_backward: FP32 gradients freed in backward, clipped exactly in step()",
     "coat_fp8_sib": "coat_fp8 with step_in_backward: FP32 gradients freed in backward, clipped exactly in step()",
@@ -124,11 +125,11 @@ def run_variant(variant: str, args, data, device: torch.device) -> dict:
         in_backward = dict(step_in_backward=True, max_grad_norm=1.0) if variant.endswith("_sib") else {}
         opt = CoatAdamW(model.parameters(), lr=args.lr, betas=betas, weight_decay=args.weight_decay,
                         dynamic_range_expansion=variant != "coat_nodre", **in_backward)
-    if variant.startswith("coat_fp8"):
+    if variant.startswith("coat_fp8"):  # coat_fp8lin too
         grad_format = "e4m3" if variant == "coat_fp8_e4m3g" else Fp8LinearConfig().grad_format
         convert_to_fp8_linear(model, config=Fp8LinearConfig(grad_format=grad_format, eager_min_macs=0))
     # The method at any size: eagerly small layers would otherwise stay exact (eager_min_*).
-    compress = variant == "coat_act" or variant.startswith("coat_fp8")
+    compress = variant == "coat_act" or (variant.startswith("coat_fp8") and variant != "coat_fp8lin")
     handle = compress_activations(model, config=ActivationConfig(eager_min_region_numel=0)) if compress else None
     if variant.startswith("coat_fp8_head"):
         head = {"coat_fp8_head8": Fp8LinearConfig(), "coat_fp8_head8x": Fp8LinearConfig(fast_accum=False)}
