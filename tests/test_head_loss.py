@@ -18,7 +18,7 @@ from torch import nn
 import coat_ds
 from coat_ds.loss import default_chunk_tokens, linear_cross_entropy
 from coat_ds.memory.meters import StorageMeter
-from helpers import head_data
+from helpers import head_data, sqnr_db
 
 transformers = pytest.importorskip("transformers")
 from transformers.loss.loss_utils import ForCausalLMLoss, fixed_cross_entropy  # noqa: E402
@@ -28,11 +28,6 @@ VOCAB = 512
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-def _sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
-    noise = (x.double() - ref.double()).square().sum().item()
-    return math.inf if noise == 0 else 10 * math.log10(ref.double().square().sum().item() / noise)
 
 
 def _data(n=70, hidden=24, vocab=300, bias=True, seed=0):
@@ -185,7 +180,7 @@ def _pair(kind, tie=False, chunk=7, **kw):
 def _check_grads(plain, fused, min_db):
     got = dict(fused.named_parameters())
     for name, p in plain.named_parameters():
-        assert got[name].grad is not None and _sqnr_db(got[name].grad, p.grad) >= min_db, name
+        assert got[name].grad is not None and sqnr_db(p.grad, got[name].grad) >= min_db, name
 
 
 @pytest.mark.parametrize("tie", [False, True])
@@ -273,8 +268,8 @@ def test_with_fp8_linears_and_compressed_activations():
     unfused_db, fused_db = [], []
     got_u, got_f = dict(plain.named_parameters()), dict(fused.named_parameters())
     for name, p in bf16.named_parameters():
-        unfused_db.append(_sqnr_db(got_u[name].grad, p.grad))
-        fused_db.append(_sqnr_db(got_f[name].grad, p.grad))
+        unfused_db.append(sqnr_db(p.grad, got_u[name].grad))
+        fused_db.append(sqnr_db(p.grad, got_f[name].grad))
         assert fused_db[-1] >= unfused_db[-1] - 2, (name, fused_db[-1], unfused_db[-1])
     assert sum(fused_db) / len(fused_db) >= sum(unfused_db) / len(unfused_db) - 0.5, (fused_db, unfused_db)
 
@@ -404,10 +399,10 @@ def _fsdp_worker(rank: int, world: int, init: str) -> None:
         results.append((out.loss.detach(), grad))
     (ref, ref_grad), (out, out_grad), (out8, out8_grad) = results
     assert abs(out.item() - ref.item()) <= 1e-5 * ref.item(), (rank, out.item(), ref.item())
-    assert _sqnr_db(out_grad, ref_grad) >= 90
+    assert sqnr_db(ref_grad, out_grad) >= 90
     # The head's GEMMs in FP8 (test_head_loss_fp8.py's bounds): the sharded head works alike.
     assert abs(out8.item() - ref.item()) <= 2e-3 * ref.item(), (rank, out8.item(), ref.item())
-    assert 24 <= _sqnr_db(out8_grad, ref_grad) < 60
+    assert 24 <= sqnr_db(ref_grad, out8_grad) < 60
     end_worker()
 
 
