@@ -140,6 +140,14 @@ def test_refusals_name_the_argument(monkeypatch):
         linear_cross_entropy(h, w, labels, fp8="e4m3")
     with pytest.raises(TypeError, match="fuse_lm_head_loss: fp8 must be an Fp8LinearConfig"):
         coat_ds.fuse_lm_head_loss(_hf_llama(), fp8=True)
+    # GPT-2's vocabulary (50257) and BERT's (30522) are not multiples of 16: told at fuse time.
+    with pytest.raises(ValueError, match=r"fp8 needs the head's vocabulary .* shape \(300, 64\).*pad_to_multiple_of"):
+        coat_ds.fuse_lm_head_loss(_hf_llama(vocab=300), fp8=Fp8LinearConfig())
+    from coat_ds.models.llama import Llama, model_config
+    with pytest.raises(ValueError, match=r"fuse_lm_head_loss: fp8 needs .* \(300, 64\)"):
+        coat_ds.fuse_lm_head_loss(Llama(model_config("tiny", vocab_size=300)), fp8=Fp8LinearConfig())
+    with pytest.raises(ValueError, match=r"linear_cross_entropy: fp8 needs .* \(300, 64\)"):
+        linear_cross_entropy(h, w[:300], labels.clamp(max=299), fp8=Fp8LinearConfig())
     monkeypatch.setattr(linear_ce, "fp8_gemm_available", lambda device: False)
     with pytest.raises(RuntimeError, match="fp8 needs FP8 GEMMs, which cpu lacks"):
         linear_cross_entropy(h, w, labels, fp8=Fp8LinearConfig())

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from .._compat.deepspeed import zero3_partitioned
 from ..config import Fp8LinearConfig
-from .linear_ce import IGNORE_INDEX, linear_cross_entropy
+from .linear_ce import IGNORE_INDEX, check_fp8_head_shape, linear_cross_entropy
 
 __all__ = ["fuse_lm_head_loss", "SUPPORTED"]
 
@@ -64,6 +64,8 @@ def fuse_lm_head_loss(model: nn.Module, *, chunk_tokens: int | None = None,
     if fp8 is not None and not isinstance(fp8, Fp8LinearConfig):
         raise TypeError(f"fuse_lm_head_loss: fp8 must be an Fp8LinearConfig or None, got {type(fp8).__name__}")
     if hasattr(model, "fused_head_loss"):  # coat_ds.models.llama.Llama (not imported: it imports this package)
+        if fp8 is not None:
+            check_fp8_head_shape("fuse_lm_head_loss", tuple(model.head.weight.shape))
         model.fused_head_loss, model.head_loss_chunk_tokens, model.head_loss_fp8 = True, chunk_tokens, fp8
         return model
     hf_class = _hf_class(type(model))
@@ -75,6 +77,9 @@ def fuse_lm_head_loss(model: nn.Module, *, chunk_tokens: int | None = None,
         raise TypeError(f"fuse_lm_head_loss: {type(model).__name__}'s output embedding is "
                         f"{type(head).__name__}, not nn.Linear; fuse before converting the head (e.g. "
                         "convert_to_fp8_linear with the head included) or leave the head as it is")
+    if fp8 is not None:
+        # ZeRO-3 leaves a partitioned weight empty; its full shape is ds_shape.
+        check_fp8_head_shape("fuse_lm_head_loss", tuple(getattr(head.weight, "ds_shape", head.weight.shape)))
     if model.base_model is model:
         raise TypeError(f"fuse_lm_head_loss: {type(model).__name__} has no base model under "
                         f"{model.base_model_prefix!r}")

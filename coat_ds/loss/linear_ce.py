@@ -22,6 +22,7 @@ import torch
 
 from ..config import _BACKENDS, Fp8LinearConfig
 from ..kernels import reference
+from ..kernels.fp8 import GEMM_ALIGN
 from ..kernels.ops import get_cross_entropy_ops
 from ..linear.layer import fp8_gemm_available
 from .head_gemms import Fp8HeadGemms, HeadGemms
@@ -55,6 +56,15 @@ def _denominator(labels: torch.Tensor, num_items_in_batch, ignore_index: int) ->
     if num_items_in_batch is None:
         return (labels != ignore_index).sum().float()
     return torch.as_tensor(num_items_in_batch, device=labels.device).float()
+
+
+def check_fp8_head_shape(caller: str, shape: tuple[int, int]) -> None:
+    """FP8 GEMMs take dims in multiples of GEMM_ALIGN, and the head's vocabulary is one of
+    them in each of its three GEMMs; padding every chunk's logits would cost more than it saves."""
+    if shape[0] % GEMM_ALIGN or shape[1] % GEMM_ALIGN:
+        raise ValueError(f"{caller}: fp8 needs the head's vocabulary and hidden size in multiples of {GEMM_ALIGN} "
+                         f"(FP8 GEMMs), got a weight of shape {shape}; pad the vocabulary (Hugging Face: "
+                         f"model.resize_token_embeddings(n, pad_to_multiple_of={GEMM_ALIGN})) or leave fp8=None")
 
 
 def _gemms(weight, bias, dtype, scale, fp8, need_h) -> HeadGemms | Fp8HeadGemms:
@@ -149,6 +159,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     if fp8 is not None and not fp8_gemm_available(hidden.device):
         raise RuntimeError(f"linear_cross_entropy: fp8 needs FP8 GEMMs, which {hidden.device} lacks (CUDA compute "
                            "capability 8.9+, or CPU); leave fp8=None there")
+    if fp8 is not None:
+        check_fp8_head_shape("linear_cross_entropy", tuple(weight.shape))
     rows_ce = get_cross_entropy_ops(hidden.device, backend, "linear_cross_entropy's backend")
     dtype = _compute_dtype(hidden, weight)
     if chunk_tokens is None:
