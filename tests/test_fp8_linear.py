@@ -8,6 +8,8 @@ E5M2 (2 bits) at ~25 dB, and a product with E4M3 at ~24 dB. The bounds leave ~3 
 margin below what these shapes measure (docs/fp8_linear.md lists both)."""
 from __future__ import annotations
 
+import collections
+
 import logging
 import os
 
@@ -460,6 +462,18 @@ def test_conversion_filter_and_log(caplog):
         Fp8LinearConfig(fp8_gemm="yes")
     with pytest.raises(TypeError, match="Fp8LinearConfig"):
         convert_to_fp8_linear(_Tiny(), config={"fp8_gemm": "on"})
+
+
+def test_second_conversion_configures_only_what_its_filter_chooses():
+    """Two calls with disjoint filters: each layer keeps the config of the call that chose it
+    (kept weight codes for the MLP only, say)."""
+    model = nn.Sequential(collections.OrderedDict(attn=nn.Linear(32, 32), mlp=nn.Linear(32, 64)))
+    keep = Fp8LinearConfig(keep_weight_codes=True)
+    convert_to_fp8_linear(model, config=keep, module_filter_fn=lambda m, fqn: fqn == "mlp")
+    convert_to_fp8_linear(model, module_filter_fn=lambda m, fqn: fqn == "attn")
+    assert model.mlp.fp8_config == keep and model.attn.fp8_config == Fp8LinearConfig()
+    convert_to_fp8_linear(model, module_filter_fn=lambda m, fqn: True)  # chosen again: reconfigured
+    assert model.mlp.fp8_config == Fp8LinearConfig()
 
 
 def test_no_double_quantization_with_compress_activations():

@@ -80,6 +80,11 @@ def convert_to_fp8_linear(model: nn.Module, *, config: Fp8LinearConfig | None = 
     converted = skipped_dims = skipped_filter = 0
     for fqn, m in list(model.named_modules()):
         if isinstance(m, Fp8Linear):
+            # Converted before: the filter chooses again, so calls with different configs and
+            # disjoint filters configure disjoint layers.
+            if not chosen(m, fqn):
+                skipped_filter += 1
+                continue
             m.fp8_config = config
             m._weight_guess(m.weight)
             converted += 1
