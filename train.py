@@ -281,6 +281,28 @@ def settings_lines(cfg: TrainConfig) -> list[str]:
     return lines + [line for line in [clipping_off_note(cfg.deepspeed), step_in_backward_note(cfg)] if line]
 
 
+TRACE_STEPS = 3
+
+
+def start_trace(device: torch.device) -> torch.profiler.profile:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    prof = torch.profiler.profile(activities=activities)
+    prof.start()
+    return prof
+
+
+def write_trace(prof: torch.profiler.profile, path: str, steps: int, say: Callable) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the steps' kernels end inside the trace
+    prof.stop()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    prof.export_chrome_trace(path)
+    say(f"trace of {steps} step(s) written to {path} (a category table: python bench/fp8_linear.py --gaps {path})",
+        flush=True)
+
+
 def train(cfg: TrainConfig) -> None:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     say = print if rank == 0 else (lambda *a, **k: None)
@@ -350,12 +372,22 @@ def train(cfg: TrainConfig) -> None:
 
     say(f"training steps {start + 1} to {cfg.max_steps}, a log line every {cfg.log_interval} steps"
         f"{first_step_note(cfg, runner)}", flush=True)
+    trace_first = start + cfg.trace_after if cfg.trace and rank == 0 else None
+    tracer = None
+    if trace_first is not None:
+        say(f"tracing steps {trace_first + 1} to {min(trace_first + TRACE_STEPS, cfg.max_steps)} into {cfg.trace} "
+            "(their tok/s includes the profiler's cost)", flush=True)
     t0, t_start, window = time.perf_counter(), time.perf_counter(), []
     for step in range(start, cfg.max_steps):
+        if step == trace_first:
+            tracer = start_trace(runner.device)
         for micro in range(runner.grad_accum):
             x, y = data.batch("train", runner.micro_batch, cfg.seq_len, batch_seed(cfg.seed, step, rank, micro))
             window.append(runner.train_micro_step(x.to(runner.device), y.to(runner.device)))
         done = step + 1
+        if tracer is not None and (done == trace_first + TRACE_STEPS or done == cfg.max_steps):
+            write_trace(tracer, cfg.trace, done - trace_first, say)
+            tracer = None
         if step == start:  # optimizer state exists once the first step ran
             state_gb = max_over_ranks(runner.optimizer_state_bytes()) / 1e9
             say(f"optimizer state: {state_gb:.4g} GB on the largest rank", flush=True)

@@ -214,3 +214,22 @@ def test_ds_config_not_found_names_the_path_and_where_it_looked(tmp_path, monkey
         parse_config(["--config", "configs/nope.yaml"])
     with pytest.raises(FileNotFoundError, match=r"DeepSpeed config file not found: ds_configs/nope.json \(relative"):
         coat_ds.deepspeed_initialize(model=None, config="ds_configs/nope.json")
+
+
+@pytest.mark.slow
+def test_train_py_traces_three_steps_after_warm_up(tmp_path):
+    """--trace: rank 0's torch.profiler trace of the 3 steps after --trace-after, said in the
+    log; a trace that would never start is refused, naming the key."""
+    import gzip
+
+    path = tmp_path / "traces" / "t.json.gz"
+    proc = _run_bare([sys.executable, TRAIN, "--fsdp", "--config", "configs/tiny.yaml", "--max-steps", "5",
+                      "--log-interval", "5", "--eval-batches", "1", "--trace", str(path), "--trace-after", "1"], tmp_path)
+    assert f"tracing steps 2 to 4 into {path}" in proc.stdout
+    assert f"trace of 3 step(s) written to {path}" in proc.stdout and "step 5/5 (100%)" in proc.stdout
+    with gzip.open(path, "rt") as f:
+        names = {e.get("name") for e in json.load(f)["traceEvents"]}
+    assert "aten::mm" in names or "aten::addmm" in names
+    bad = subprocess.run([sys.executable, TRAIN, "--config", "configs/tiny.yaml", "--max-steps", "5", "--trace",
+                          str(path), "--trace-after", "5"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "trace_after" in bad.stderr + bad.stdout and "never start" in bad.stderr + bad.stdout

@@ -55,6 +55,8 @@ class TrainConfig:
     resume: str = ""  # checkpoint folder to resume from, any data-parallel size ("": start fresh)
     trust_checkpoint: bool = False  # resume may unpickle any type the checkpoint names (only for a source you trust)
     metrics_file: str = ""  # JSON lines of every logged metric, written by rank 0 ("": none)
+    trace: str = ""  # a torch.profiler trace (Chrome JSON, .json.gz) of 3 steps after trace_after, rank 0's ("": none)
+    trace_after: int = 10  # steps run before the trace starts (compilation and warm-up stay out of it)
     # engine
     engine: str = "deepspeed"  # what sets the model up: "deepspeed" or "fsdp" (same as --fsdp)
     deepspeed: str = "ds_configs/coat_zero2.json"  # DeepSpeed JSON: optimizer, batches, clipping, BF16 (both engines)
@@ -84,8 +86,12 @@ class TrainConfig:
         integer("log_interval", self.log_interval, lo=1)
         integer("eval_interval", self.eval_interval, lo=0)
         integer("eval_batches", self.eval_batches, lo=1)
-        for name in ("save_dir", "resume", "metrics_file"):
+        for name in ("save_dir", "resume", "metrics_file", "trace"):
             text(name, getattr(self, name))
+        integer("trace_after", self.trace_after, lo=0)
+        if self.trace and self.trace_after >= self.max_steps:
+            raise ConfigError("trace_after", self.trace_after, f"under max_steps ({self.max_steps}): the trace "
+                              "would never start")
         integer("save_interval", self.save_interval, lo=0)
         boolean("trust_checkpoint", self.trust_checkpoint)
         choice("engine", self.engine, ENGINE_NAMES)
