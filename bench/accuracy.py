@@ -55,6 +55,8 @@ VARIANTS = {
     "coat_act": "CoatAdamW + FP8 activations",
     "coat_fp8": "CoatAdamW + FP8 activations + FP8 linears",
     "coat_fp8lin": "CoatAdamW + FP8 linears, activations saved as autograd keeps them",
+    "coat_fp8lin_head": "coat_fp8lin with the head's loss in chunks (fuse_lm_head_loss), head GEMMs in BF16",
+    "coat_fp8lin_head8x": "coat_fp8lin with the head's loss in chunks, its GEMMs in FP8 (fast_accum=False)",
     "coat_fp8_e4m3g": "CoatAdamW + FP8 activations + FP8 linears, E4M3 output gradients",
     "coat_sib": "coat with step_in_backward: FP32 gradients freed in backward, clipped exactly in step()",
     "coat_fp8_sib": "coat_fp8 with step_in_backward: FP32 gradients freed in backward, clipped exactly in step()",
@@ -129,11 +131,11 @@ def run_variant(variant: str, args, data, device: torch.device) -> dict:
         grad_format = "e4m3" if variant == "coat_fp8_e4m3g" else Fp8LinearConfig().grad_format
         convert_to_fp8_linear(model, config=Fp8LinearConfig(grad_format=grad_format, eager_min_macs=0))
     # The method at any size: eagerly small layers would otherwise stay exact (eager_min_*).
-    compress = variant == "coat_act" or (variant.startswith("coat_fp8") and variant != "coat_fp8lin")
+    compress = variant == "coat_act" or (variant.startswith("coat_fp8") and not variant.startswith("coat_fp8lin"))
     handle = compress_activations(model, config=ActivationConfig(eager_min_region_numel=0)) if compress else None
-    if variant.startswith("coat_fp8_head"):
-        head = {"coat_fp8_head8": Fp8LinearConfig(), "coat_fp8_head8x": Fp8LinearConfig(fast_accum=False)}
-        fuse_lm_head_loss(model, fp8=head.get(variant))
+    head = variant.rpartition("_")[2]
+    if head.startswith("head"):
+        fuse_lm_head_loss(model, fp8={"head8": Fp8LinearConfig(), "head8x": Fp8LinearConfig(fast_accum=False)}.get(head))
     if variant.endswith("_rfp8"):
         plan = Plan.uniform([f for f, _ in decoder_layers(model)], "recompute", args.batch_size, args.seq_len)
         apply_plan(model, plan, config=ApplyConfig(recompute_input_fp8=True))
@@ -226,6 +228,17 @@ def _write(out: str, meta: dict, summary: dict, results: list[dict]) -> None:
 
 
 
+def deterministic() -> None:
+    """Kernels whose sums do not depend on timing (no atomic float adds: SDPA's and the
+    embedding's backward), cuBLAS with a fixed workspace, Inductor without autotuning: two
+    runs of one seed then end bit for bit alike, so a paired difference is the variants' own,
+    not run-to-run noise. Before the first CUDA call: cuBLAS reads its setting at start."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    # NaN-filling every torch.empty costs time and checks nothing this run needs.
+    torch.utils.deterministic.fill_uninitialized_memory = False
+
+
 def run_parity(args, argv) -> int:
     variants = [v for v in args.variants.split(",") if v]
     if any(v not in VARIANTS for v in variants):
@@ -235,6 +248,8 @@ def run_parity(args, argv) -> int:
     args.seed = args.seeds[0]
     device = torch.device(args.device)
     torch.backends.cuda.enable_cudnn_sdp(not args.no_cudnn_attention)
+    if args.deterministic:
+        deterministic()
     data = load_data(DataConfig(max_bytes=args.max_data_bytes))
     if args.pair_vocab:
         data = pair_tokens(data, args.pair_vocab)
@@ -246,7 +261,8 @@ def run_parity(args, argv) -> int:
                 torch=torch.__version__, preset=args.preset, params=cfg.num_params(), steps=args.steps,
                 tokens_per_step=args.batch_size * args.seq_len, precision="bf16 autocast" if device.type == "cuda"
                 and not args.fp32 else "fp32", data=data.description, lr=args.lr, warmup=args.warmup,
-                seed=args.seed, compiled=args.compile, cudnn_attention=not args.no_cudnn_attention)
+                seed=args.seed, compiled=args.compile, cudnn_attention=not args.no_cudnn_attention,
+                deterministic=args.deterministic)
     print(json.dumps(meta), flush=True)
     t0, results = time.time(), []
     for v in variants:
@@ -603,6 +619,8 @@ def main(argv=None) -> int:
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder block (every variant)")
     p.add_argument("--no-cudnn-attention", action="store_true", help="SDPA without cuDNN's kernels (train.py's "
                    "--no-cudnn-attention)")
+    p.add_argument("--deterministic", action="store_true", help="deterministic kernels (torch."
+                   "use_deterministic_algorithms): on CUDA two runs of one seed end alike")
     p.add_argument("--max-data-bytes", type=int, default=32_000_000)
     p.add_argument("--pair-vocab", type=int, default=0, help="tokens of this vocabulary (> 256): byte pairs, the "
                    "most frequent as one token each (pair_tokens); 0: bytes")

@@ -43,6 +43,7 @@ SIDES = ("bf16", "bf16_ckpt", "torchao", "coat", "coat_fp8", "coat_fp8_triton", 
          "coat_fp8_fused", "coat_fp8_headloss", "coat_fp8_sib_headloss", "coat_fp8_headloss8",
          "coat_fp8_sib_headloss8", "coat_fp8_headloss8x", "coat_fp8_nocomp_headloss",
          "coat_fp8_keepw_headloss", "coat_fp8_nocomp_keepw_headloss", "coat_fp8_nocomp_headloss8x",
+         "coat_fp8_nocomp_keepwmlp_headloss",
          # The eager crossover: FP8 GEMMs forced on (f8) or off (nof8), compression forced on (ca)
          # or off (noca), whatever the size (coat_fp8_fused leaves both to the defaults).
          "coat_fp8_fused_f8_ca", "coat_fp8_fused_f8_noca", "coat_fp8_fused_nof8_ca", "coat_fp8_fused_nof8_noca")
@@ -74,10 +75,15 @@ def build(shape: str, side: str, seq: int, compiled: bool, backend: str | None =
     lin, act = eager_limits(side)
     if side.startswith("coat_fp8"):
         # Only the options a side sets: older trees (--tree) lack the newer ones.
+        keep_mlp = "_keepwmlp" in side  # kept weight codes in the MLPs only: 2/3 of the bytes of _keepw
         kw = dict(lin, **({"backend": "triton"} if side == "coat_fp8_triton" else {}),
-                  **({"keep_weight_codes": True} if "_keepw" in side else {}))
+                  **({"keep_weight_codes": True} if "_keepw" in side and not keep_mlp else {}))
         cfg = coat_ds.Fp8LinearConfig(**{**kw, **be})
-        coat_ds.convert_to_fp8_linear(model, config=cfg)
+        if keep_mlp:
+            coat_ds.convert_to_fp8_linear(model, config=coat_ds.Fp8LinearConfig(**kw, keep_weight_codes=True),
+                                          module_filter_fn=lambda m, fqn: ".mlp." in fqn)
+        coat_ds.convert_to_fp8_linear(model, config=cfg, **({"module_filter_fn": lambda m, fqn: ".mlp." not in fqn
+                                                             and fqn != "lm_head"} if keep_mlp else {}))
         if side.startswith("coat_fp8_fused"):  # eager speed only: compiled, the modules run their own code
             coat_ds.fuse_rms_norms(model, **({"config": cfg} if be or lin else {}))
             coat_ds.fuse_swiglu(model, **({"config": cfg} if be or lin else {}))

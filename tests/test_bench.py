@@ -4,6 +4,7 @@ import glob
 import gzip
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -63,12 +64,12 @@ def test_script_imports_and_answers_help(name, capsys):
     (["bench/optim_step.py", "--host", "--numel", "65536", "--iters", "2", "--no-ds", "--fallback"], 2),
     (["bench/optim_step.py", "--loop", "--tiny"], 3),
     (["bench/activations.py", "--tiny"], 2),
-    (["bench/activations.py", "--host", "--steps", "1"], 5),
+    (["bench/activations.py", "--host", "--steps", "1"], 6),
     (["bench/fp8_linear.py", "--saved-bytes"], 3),
     (["bench/fp8_linear.py", "--census", "--reps", "1"], 6),
     (["bench/fp8_linear.py", "--shape", "tiny", "--sides", "bf16", "coat_fp8", "coat_fp8_fused",
-      "coat_fp8_nocomp_headloss", "coat_fp8_nocomp_keepw_headloss", "--eager", "--bs", "2", "--seq", "64", "--steps",
-      "1"], 5),
+      "coat_fp8_nocomp_headloss", "coat_fp8_nocomp_keepw_headloss", "coat_fp8_nocomp_keepwmlp_headloss", "--eager", "--bs", "2", "--seq", "64", "--steps",
+      "1"], 6),
     (["bench/accuracy.py", "quant-table", "--preset", "tiny", "--steps", "3", "--zero-steps", "3"], 2),
 ])
 def test_cpu_mode_prints_its_table(argv, rows):
@@ -92,6 +93,19 @@ def test_parity_seeds_run_apart_then_summary(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["eager_seed1.json", "eager_seed1.log", "eager_seed1.png",
                                            "eager_seed2.json", "eager_seed2.log", "eager_seed2.png"]
     assert "seeds: [1, 2]" in out and "| coat |" in out
+
+
+def test_parity_deterministic_repeats_the_fast_recipe_with_the_fp8_head(tmp_path):
+    """The variants of the recipe without compression build and train, deterministically;
+    one variant run twice from a seed gives the same curve, and the FP8 head a different one."""
+    _run("bench/accuracy.py", "parity", "--preset", "tiny", "--steps", "3", "--batch-size", "2", "--seq-len", "32",
+         "--eval-batches", "1", "--max-data-bytes", "200000", "--pair-vocab", "304", "--deterministic",
+         "--variants", "coat_fp8lin_head,coat_fp8lin_head,coat_fp8lin_head8x", "--log-interval", "0",
+         "--out", str(tmp_path / "det"))
+    doc = json.loads((tmp_path / "det.json").read_text())
+    assert doc["meta"]["deterministic"] is True
+    a, b, c = (r["curve"] for r in doc["runs"])
+    assert a == b and a != c and all(math.isfinite(x) for x in a + c)
 
 
 def test_gaps_puts_idle_time_on_the_launching_op(tmp_path):
