@@ -34,6 +34,7 @@ import gzip
 import json
 import logging
 import os
+import re
 import sys
 
 import _common as C
@@ -43,7 +44,7 @@ SIDES = ("bf16", "bf16_ckpt", "torchao", "coat", "coat_fp8", "coat_fp8_triton", 
          "coat_fp8_fused", "coat_fp8_headloss", "coat_fp8_sib_headloss", "coat_fp8_headloss8",
          "coat_fp8_sib_headloss8", "coat_fp8_headloss8x", "coat_fp8_nocomp_headloss",
          "coat_fp8_keepw_headloss", "coat_fp8_nocomp_keepw_headloss", "coat_fp8_nocomp_headloss8x",
-         "coat_fp8_nocomp_keepwmlp_headloss",
+         "coat_fp8_nocomp_keepwmlp_headloss", "coat_fp8_nocomp_headloss_c8192",
          # The eager crossover: FP8 GEMMs forced on (f8) or off (nof8), compression forced on (ca)
          # or off (noca), whatever the size (coat_fp8_fused leaves both to the defaults).
          "coat_fp8_fused_f8_ca", "coat_fp8_fused_f8_noca", "coat_fp8_fused_nof8_ca", "coat_fp8_fused_nof8_noca")
@@ -95,10 +96,12 @@ def build(shape: str, side: str, seq: int, compiled: bool, backend: str | None =
                                          module_filter_fn=lambda m, fqn: id(m) in layers)
         opt = coat_ds.CoatAdamW(model.parameters(), lr=1e-4, weight_decay=0.0, **be,
                                 **({"step_in_backward": True} if "_sib" in side else {}))
-        if side.endswith("_headloss"):
-            coat_ds.fuse_lm_head_loss(model)
-        elif side.endswith(("_headloss8", "_headloss8x")):  # the head's GEMMs in FP8 too; 8x: exact accumulation
-            coat_ds.fuse_lm_head_loss(model, fp8=coat_ds.Fp8LinearConfig(fast_accum=not side.endswith("x")))
+        # _headloss8: the head's GEMMs in FP8 too; 8x: exact accumulation; _cN: N tokens per chunk
+        head = re.search(r"_headloss(8x?)?(?:_c(\d+))?$", side)
+        if head:
+            coat_ds.fuse_lm_head_loss(model, **({"fp8": coat_ds.Fp8LinearConfig(fast_accum=head[1] == "8")}
+                                                if head[1] else {}),
+                                      **({"chunk_tokens": int(head[2])} if head[2] else {}))
     else:
         # Fused on the census's CPU too: one step op per tensor list, as on a GPU.
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0,
