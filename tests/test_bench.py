@@ -64,12 +64,12 @@ def test_script_imports_and_answers_help(name, capsys):
     (["bench/optim_step.py", "--host", "--numel", "65536", "--iters", "2", "--no-ds", "--fallback"], 2),
     (["bench/optim_step.py", "--loop", "--tiny"], 3),
     (["bench/activations.py", "--tiny"], 2),
-    (["bench/activations.py", "--host", "--steps", "1"], 6),
+    (["bench/activations.py", "--host", "--steps", "1"], 5),
     (["bench/fp8_linear.py", "--saved-bytes"], 3),
     (["bench/fp8_linear.py", "--census", "--reps", "1"], 6),
     (["bench/fp8_linear.py", "--shape", "tiny", "--sides", "bf16", "coat_fp8", "coat_fp8_fused",
-      "coat_fp8_nocomp_headloss", "coat_fp8_nocomp_keepw_headloss", "coat_fp8_nocomp_keepwmlp_headloss", "--eager", "--bs", "2", "--seq", "64", "--steps",
-      "1"], 6),
+      "coat_fp8_nocomp_headloss", "coat_fp8_nocomp_keepw_headloss", "coat_fp8_nocomp_keepwmlp_headloss",
+      "coat_fp8_nocomp_headloss_c8192", "--eager", "--bs", "2", "--seq", "64", "--steps", "1"], 7),
     (["bench/accuracy.py", "quant-table", "--preset", "tiny", "--steps", "3", "--zero-steps", "3"], 2),
 ])
 def test_cpu_mode_prints_its_table(argv, rows):
