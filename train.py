@@ -374,6 +374,10 @@ def train(cfg: TrainConfig) -> None:
         f"{first_step_note(cfg, runner)}", flush=True)
     trace_first = start + cfg.trace_after if cfg.trace and rank == 0 else None
     tracer = None
+    if trace_first is not None and trace_first >= cfg.max_steps:  # resumed past it
+        say(f"WARNING: no trace: the run resumes at step {start + 1}, and trace_after ({cfg.trace_after}) steps "
+            f"from there is past max_steps ({cfg.max_steps})", flush=True)
+        trace_first = None
     if trace_first is not None:
         say(f"tracing steps {trace_first + 1} to {min(trace_first + TRACE_STEPS, cfg.max_steps)} into {cfg.trace} "
             "(their tok/s includes the profiler's cost)", flush=True)
