@@ -9,7 +9,6 @@ margin below what these shapes measure (docs/fp8_linear.md lists both)."""
 from __future__ import annotations
 
 import collections
-
 import logging
 import os
 

@@ -65,7 +65,7 @@ def fuse_lm_head_loss(model: nn.Module, *, chunk_tokens: int | None = None,
         raise TypeError(f"fuse_lm_head_loss: fp8 must be an Fp8LinearConfig or None, got {type(fp8).__name__}")
     if hasattr(model, "fused_head_loss"):  # coat_ds.models.llama.Llama (not imported: it imports this package)
         if fp8 is not None:
-            check_fp8_head_shape("fuse_lm_head_loss", tuple(model.head.weight.shape))
+            _check_fp8_head(model.head.weight)
         model.fused_head_loss, model.head_loss_chunk_tokens, model.head_loss_fp8 = True, chunk_tokens, fp8
         return model
     hf_class = _hf_class(type(model))
@@ -78,8 +78,7 @@ def fuse_lm_head_loss(model: nn.Module, *, chunk_tokens: int | None = None,
                         f"{type(head).__name__}, not nn.Linear; fuse before converting the head (e.g. "
                         "convert_to_fp8_linear with the head included) or leave the head as it is")
     if fp8 is not None:
-        # ZeRO-3 leaves a partitioned weight empty; its full shape is ds_shape.
-        check_fp8_head_shape("fuse_lm_head_loss", tuple(getattr(head.weight, "ds_shape", head.weight.shape)))
+        _check_fp8_head(head.weight)
     if model.base_model is model:
         raise TypeError(f"fuse_lm_head_loss: {type(model).__name__} has no base model under "
                         f"{model.base_model_prefix!r}")
@@ -88,6 +87,11 @@ def fuse_lm_head_loss(model: nn.Module, *, chunk_tokens: int | None = None,
     setattr(model, "_coat_head_loss_chunk_tokens", chunk_tokens)
     setattr(model, "_coat_head_loss_fp8", fp8)
     return model
+
+
+def _check_fp8_head(weight: torch.Tensor) -> None:
+    # ZeRO-3 leaves a partitioned weight empty; its full shape is ds_shape.
+    check_fp8_head_shape("fuse_lm_head_loss", tuple(getattr(weight, "ds_shape", weight.shape)))
 
 
 def _hf_class(cls: type) -> type | None:
