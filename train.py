@@ -298,7 +298,11 @@ def write_trace(prof: torch.profiler.profile, path: str, steps: int, say: Callab
         torch.cuda.synchronize()  # the steps' kernels end inside the trace
     prof.stop()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    prof.export_chrome_trace(path)
+    # Written beside, then renamed: a run killed mid-export leaves no truncated trace at `path`.
+    # The partial name keeps the suffix, from which the profiler decides to gzip.
+    partial = os.path.join(os.path.dirname(os.path.abspath(path)), ".partial." + os.path.basename(path))
+    prof.export_chrome_trace(partial)
+    os.replace(partial, path)
     say(f"trace of {steps} step(s) written to {path} (a category table: python bench/fp8_linear.py --gaps {path})",
         flush=True)
 

@@ -227,6 +227,7 @@ def test_train_py_traces_three_steps_after_warm_up(tmp_path):
                       "--log-interval", "5", "--eval-batches", "1", "--trace", str(path), "--trace-after", "1"], tmp_path)
     assert f"tracing steps 2 to 4 into {path}" in proc.stdout
     assert f"trace of 3 step(s) written to {path}" in proc.stdout and "step 5/5 (100%)" in proc.stdout
+    assert os.listdir(path.parent) == ["t.json.gz"]  # written beside, then renamed into place
     with gzip.open(path, "rt") as f:
         names = {e.get("name") for e in json.load(f)["traceEvents"]}
     assert "aten::mm" in names or "aten::addmm" in names
