@@ -44,7 +44,7 @@ SIDES = ("bf16", "bf16_ckpt", "torchao", "coat", "coat_fp8", "coat_fp8_triton", 
          "coat_fp8_fused", "coat_fp8_headloss", "coat_fp8_sib_headloss", "coat_fp8_headloss8",
          "coat_fp8_sib_headloss8", "coat_fp8_headloss8x", "coat_fp8_nocomp_headloss",
          "coat_fp8_keepw_headloss", "coat_fp8_nocomp_keepw_headloss", "coat_fp8_nocomp_headloss8x",
-         "coat_fp8_nocomp_keepwmlp_headloss", "coat_fp8_nocomp_headloss_c8192",
+         "coat_fp8_nocomp_keepwmlp_headloss", "coat_fp8_nocomp_headloss_c8192", "coat_fp8_cqkv",
          # The eager crossover: FP8 GEMMs forced on (f8) or off (nof8), compression forced on (ca)
          # or off (noca), whatever the size (coat_fp8_fused leaves both to the defaults).
          "coat_fp8_fused_f8_ca", "coat_fp8_fused_f8_noca", "coat_fp8_fused_nof8_ca", "coat_fp8_fused_nof8_noca")
@@ -91,7 +91,8 @@ def build(shape: str, side: str, seq: int, compiled: bool, backend: str | None =
     if side.startswith("coat"):
         if "_nocomp" not in side:  # _nocomp: activations saved as autograd keeps them
             layers = {id(m) for m in C.decoder_layers(model)}
-            act = {**act, **be}
+            # _cqkv: attention's q, k and v compressed too (kept exact by default, compiled)
+            act = {**act, **be, **({"compress_attention_inputs": True} if "_cqkv" in side else {})}
             coat_ds.compress_activations(model, **({"config": coat_ds.ActivationConfig(**act)} if act else {}),
                                          module_filter_fn=lambda m, fqn: id(m) in layers)
         opt = coat_ds.CoatAdamW(model.parameters(), lr=1e-4, weight_decay=0.0, **be,
@@ -343,8 +344,8 @@ def _num(x) -> str:
 
 
 def gaps(path: str, top: int, min_us: float = 5.0) -> list[str]:
-    """A chrome trace's GPU time by kernel category, and its idle gaps, each put on the CPU op
-    that launched the kernel after it."""
+    """A chrome trace's GPU time by kernel category, its `top` kernels by time, and its idle
+    gaps, each put on the CPU op that launched the kernel after it."""
     with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
     gpu = sorted((e["ts"], e["ts"] + e["dur"], e["name"], e.get("args", {}).get("correlation"))
@@ -368,15 +369,20 @@ def gaps(path: str, top: int, min_us: float = 5.0) -> list[str]:
         return " > ".join(n[:70] for n in keep[-2:]) or "(no enclosing op)"
 
     by_cat, idle, end, holes = collections.Counter(), 0.0, gpu[0][0], collections.Counter()
+    by_name, calls = collections.Counter(), collections.Counter()
     for start, stop, name, corr in gpu:
         by_cat[category(name)] += stop - start
+        by_name[name] += stop - start
+        calls[name] += 1
         if start > end:
             idle += start - end
             if start - end >= min_us:
                 holes[where(launches.get(corr)), name[:60]] += start - end
         end = max(end, stop)
     lines = ["| category | ms |", "|---|---|"] + [f"| {c} | {us / 1e3:.1f} |" for c, us in by_cat.most_common()]
-    lines += [f"| sum | {sum(by_cat.values()) / 1e3:.1f} |", "",
+    lines += [f"| sum | {sum(by_cat.values()) / 1e3:.1f} |", "", "| kernel | category | calls | ms |", "|---|---|---|---|"]
+    lines += [f"| {n[:90]} | {category(n)} | {calls[n]} | {us / 1e3:.2f} |" for n, us in by_name.most_common(top)]
+    lines += ["",
               f"GPU span {(end - gpu[0][0]) / 1e3:.1f} ms, idle {idle / 1e3:.1f} ms; gaps >= {min_us:g} us by launching op:",
               "| idle ms | launched from | next kernel |", "|---|---|---|"]
     return lines + [f"| {us / 1e3:.2f} | {w} | {n} |" for (w, n), us in holes.most_common(top)]

@@ -108,6 +108,25 @@ def test_parity_deterministic_repeats_the_fast_recipe_with_the_fp8_head(tmp_path
     assert a == b and a != c and all(math.isfinite(x) for x in a + c)
 
 
+def test_grad_error_tables_eager_and_compiled():
+    out = _run("bench/accuracy.py", "grad-error", "--preset", "tiny", "--train-steps", "2", "--batch-size", "2",
+               "--grad-batch-size", "2", "--seq-len", "32", "--max-data-bytes", "200000")
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| attn.wqkv.weight")]
+    assert len(rows) == 1 and len(rows[0]) == 7  # eager, compiled, compiled_cqkv: SQNR and norm ratio each
+    for db in (float(c.split()[0]) for c in rows[0][1::2]):
+        assert 10 < db < 100  # lossy, and not lost
+
+
+def test_parity_act_config_overrides():
+    acc = _load("accuracy")
+    assert acc.act_overrides(["compress_attention_inputs=true", "group_size=32", "other_format=e5m2"]) == dict(
+        compress_attention_inputs=True, group_size=32, other_format="e5m2")
+    with pytest.raises(SystemExit, match="'bogus=1'.*compress_attention_inputs"):
+        acc.act_overrides(["bogus=1"])
+    with pytest.raises(SystemExit, match="group_size must be a power of two"):
+        acc.act_overrides(["group_size=3"])
+
+
 def test_gaps_puts_idle_time_on_the_launching_op(tmp_path):
     def op(name, ts, dur, cat="cpu_op", **args):
         return {"ph": "X", "name": name, "ts": ts, "dur": dur, "cat": cat, "tid": 1, "args": args}
@@ -120,4 +139,6 @@ def test_gaps_puts_idle_time_on_the_launching_op(tmp_path):
         json.dump({"traceEvents": events}, f)
     lines = _load("fp8_linear").gaps(str(path), top=5)
     assert "| GEMM, FP8 | 0.0 |" in lines and "| Inductor kernels | 0.0 |" in lines
+    assert lines.index("| nvjet_sm90_qqtst_gemm | GEMM, FP8 | 1 | 0.01 |") < lines.index(
+        "| triton_poi_fused_0 | Inductor kernels | 1 | 0.01 |")
     assert lines[-1] == "| 0.04 | my_host_work | triton_poi_fused_0 |"
