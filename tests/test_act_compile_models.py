@@ -9,7 +9,7 @@ import torch
 import coat_ds
 from coat_ds import ActivationConfig
 from helpers import sqnr_db
-from test_act_compile import _graph_saved
+from test_act_compile import _graph_saved, attention_calls, holds
 from test_act_integrity import AutocastMLP, grads_of, masked_head_case
 
 CFG = ActivationConfig(backend="torch", min_numel=256)
@@ -28,7 +28,7 @@ def _hf_model(name: str):
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen2"])
-def test_whole_model_compile_keeps_rope_tables_exact(name):
+def test_whole_model_compile_keeps_rope_tables_exact(name, monkeypatch):
     # The rotary cos/sin are computed inside the graph from a buffer and integer positions:
     # intermediates no gradient flows through. They were saved in FP8, and the q/k weight
     # gradients fell to 14 and 19 dB on Llama (29 and 28 dB with them exact).
@@ -39,6 +39,7 @@ def test_whole_model_compile_keeps_rope_tables_exact(name):
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     rope_shape = (1, 32, model.config.hidden_size // model.config.num_attention_heads)
+    qkv, _ = attention_calls(monkeypatch, lambda: model(input_ids=ids, labels=ids))
     handle = coat_ds.compress_activations(model, config=CFG)
     torch._dynamo.reset()
     try:
@@ -49,6 +50,7 @@ def test_whole_model_compile_keeps_rope_tables_exact(name):
         assert not any(t.shape == rope_shape and t.dtype == torch.uint8 for t in held)
         assert any(t.shape == rope_shape and t.dtype == torch.float32 for t in held)
         assert any(t.dtype == torch.uint8 for t in held)  # the activations are FP8
+        assert all(any(holds(t, v) for t in held) for v in qkv)  # but not attention's q, k and v
         out.loss.backward()
         for n, p in model.named_parameters():
             if n.endswith("proj.weight"):  # k's bias gradient is ~0 (softmax ignores a shift): noise

@@ -30,6 +30,9 @@ ACT = dict(dtype=torch.bfloat16, numel=4096, row_len=64, dense_order=True, grad_
     ({"attention_output": True}, KEEP),  # SDPA's O: its backward's rowsum(dO * O) steers rows
     ({"attention_output": True, "linear_input": True}, KEEP),  # o_proj's input, where it is O's memory
     ({"attention_output": True, "alive_anyway": True}, SKIP),
+    ({"attention_input": True}, KEEP),  # q, k, v: the backward recomputes every score from them
+    ({"attention_input": True, "alive_anyway": True}, SKIP),
+    ({"attention_input": True, "grad_flows": False}, KEEP),
     ({"grad_flows": False, "linear_input": True}, KEEP),
     ({"row_len": 1}, KEEP),  # one value per row: a norm's rsqrt
     ({"dense_order": False}, KEEP),  # an expanded view
@@ -47,6 +50,9 @@ def test_decisions_follow_the_config():
     assert Policy(ActivationConfig(per_tensor_linear_inputs=False)).decide(**{**ACT, "linear_input": True}) == PER_GROUP
     assert Policy(ActivationConfig(min_numel=16)).decide(**{**ACT, "numel": 16}) == PER_GROUP
     assert Policy(ActivationConfig(min_numel=0)).decide(**{**ACT, "numel": 1}) == PER_GROUP
+    compress_qkv = Policy(ActivationConfig(compress_attention_inputs=True))
+    assert compress_qkv.decide(**{**ACT, "attention_input": True}) == PER_GROUP
+    assert compress_qkv.decide(**{**ACT, "attention_input": True, "dense_order": False}) == KEEP
 
 
 def test_symbolic_sizes_are_compressed_unless_known_small():
@@ -64,9 +70,9 @@ def test_decide_is_screen_then_candidate():
     """The eager hooks call the two halves themselves: together they are `decide`, and
     where `screen` settles a tensor no other fact changes the outcome."""
     policy = Policy(ActivationConfig())
-    others = [dict(row_len=r, dense_order=d, weight_copy=w, linear_input=li, attention_output=a)
+    others = [dict(row_len=r, dense_order=d, weight_copy=w, linear_input=li, attention_output=a, attention_input=ai)
               for r in (1, 64) for d in (False, True) for w in (False, True) for li in (False, True)
-              for a in (False, True)]
+              for a in (False, True) for ai in (False, True)]
     settled = 0
     for dtype in (torch.bfloat16, torch.float32, torch.int64):
         for numel in (1023, 1024):

@@ -7,8 +7,9 @@ Four outcomes:
   memory. Not counted as activation bytes.
 * KEEP: stored exactly as it is, counted: tensors whose FP8 error would steer whole rows of
   the gradient or be amplified (statistics, tensors no gradient flows through such as rope
-  tables, fused attention's output, low-precision copies of weights), and tensors where FP8
-  saves nothing (integers, tiny tensors, overlapping views).
+  tables, fused attention's output and, unless configured otherwise, its q, k and v,
+  low-precision copies of weights), and tensors where FP8 saves nothing (integers, tiny
+  tensors, overlapping views).
 * PER_TENSOR: one scale per tensor (linear-layer inputs, what FP8 GEMMs consume).
 * PER_GROUP: one scale per 1 x G group along the stride-1 dim (everything else).
 
@@ -39,11 +40,12 @@ class Policy:
     themselves, reading the costlier facts (memory order, the linear-input and weight-copy
     tables) only for the tensors the screen leaves open."""
 
-    __slots__ = ("min_numel", "linear_kind")
+    __slots__ = ("min_numel", "linear_kind", "exact_attention_inputs")
 
     def __init__(self, config: ActivationConfig):
         self.min_numel = max(1, config.min_numel)
         self.linear_kind = PER_TENSOR if config.per_tensor_linear_inputs else PER_GROUP
+        self.exact_attention_inputs = not config.compress_attention_inputs
 
     def screen(self, dtype: torch.dtype, numel, grad_flows: bool, alive_anyway: bool) -> str | None:
         """SKIP or KEEP where these facts settle it whatever the rest are, else None."""
@@ -59,7 +61,8 @@ class Policy:
         return None
 
     def decide(self, dtype: torch.dtype, numel, row_len, dense_order: bool, grad_flows: bool,
-               alive_anyway: bool, weight_copy: bool, linear_input: bool, attention_output: bool) -> str:
+               alive_anyway: bool, weight_copy: bool, linear_input: bool, attention_output: bool,
+               attention_input: bool = False) -> str:
         """The storage of one saved tensor.
 
         dtype, numel: the tensor's; numel may be symbolic.
@@ -74,16 +77,21 @@ class Policy:
         attention_output: it is (a view of) the output O of a fused attention op (SDPA's
             flash, efficient, cuDNN or CPU kernels, flex attention), whose backward computes
             rowsum(dO * O) and subtracts it from every score gradient of that row: an FP8
-            error there shifts the whole row, as an error in the logsumexp would."""
+            error there shifts the whole row, as an error in the logsumexp would.
+        attention_input: it is (a view or cast of) q, k or v of such an op (compiled graphs
+            only: eagerly the op saves its inputs before it runs, and nothing at that point
+            tells them from other tensors). Its backward recomputes the scores from q and k
+            against the forward's exact logsumexp, so their FP8 error reaches every
+            probability of the row; kept unless config.compress_attention_inputs."""
         kind = self.screen(dtype, numel, grad_flows, alive_anyway)
         if kind is not None:
             return kind
-        return self.candidate(row_len, dense_order, weight_copy, linear_input, attention_output)
+        return self.candidate(row_len, dense_order, weight_copy, linear_input, attention_output, attention_input)
 
     def candidate(self, row_len, dense_order: bool, weight_copy: bool, linear_input: bool,
-                  attention_output: bool) -> str:
+                  attention_output: bool, attention_input: bool = False) -> str:
         """The storage of a tensor that `screen` left open (facts as in `decide`)."""
-        if weight_copy or attention_output or not dense_order:
+        if weight_copy or attention_output or not dense_order or (attention_input and self.exact_attention_inputs):
             return KEEP
         one = row_len == 1
         if one if type(one) is bool else statically_known_true(one):

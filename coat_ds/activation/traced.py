@@ -132,8 +132,25 @@ def _attention_output(node) -> bool:
             and getattr(node.args[0], "target", None) in ATTENTION_OPS)
 
 
+def _attention_input(node) -> bool:
+    """`node`, or a view, cast or copy of it (`.contiguous()`, GQA's repeated k and v), is
+    an input of an attention op: q, k or v."""
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u in seen or u.op != "call_function":
+                continue
+            seen.add(u)
+            if u.target in ATTENTION_OPS:
+                return True
+            if u.target in _VIEWS or u.target in _CASTS or u.target is torch.ops.aten.clone.default:
+                todo.append(u)
+    return False
+
+
 # The facts of a value that outlives the graph (only alive_anyway decides it).
-_ALIVE = dict(alive_anyway=True, grad_flows=True, weight_copy=False, attention_output=False)
+_ALIVE = dict(alive_anyway=True, grad_flows=True, weight_copy=False, attention_output=False, attention_input=False)
 
 
 class _GraphFacts:
@@ -167,7 +184,8 @@ class _GraphFacts:
             return dict(_ALIVE)  # returned and saved
         if node.op == "placeholder":
             # A graph input that gets no gradient (the caller's data) outlives the graph.
-            return dict(_ALIVE, alive_anyway=not self.mapped or node not in self.grad_inputs)
+            return dict(_ALIVE, alive_anyway=not self.mapped or node not in self.grad_inputs,
+                        attention_input=_attention_input(node))
         # An op's auxiliary output that only its backward reads (attention's logsumexp; no
         # gradient flows through it) is a statistic.
         aux = node.target is operator.getitem and all(u.op == "output" for u in node.users)
@@ -179,7 +197,8 @@ class _GraphFacts:
         # attention_output: the SDPA backward (and o_proj's weight gradient, where the
         # partitioner saves O's reshape for it) read O through views of the one saved value.
         return dict(alive_anyway=weight and not cast, grad_flows=node in self.flows and not aux,
-                    weight_copy=weight and cast, attention_output=_attention_output(node))
+                    weight_copy=weight and cast, attention_output=_attention_output(node),
+                    attention_input=_attention_input(node))
 
 
 _FACTS: "weakref.WeakKeyDictionary[torch.fx.Graph, _GraphFacts]" = weakref.WeakKeyDictionary()

@@ -103,6 +103,9 @@ class ActivationConfig:
         min_numel: saved tensors with fewer elements are kept as they are
         keep_region_leaf_inputs: region inputs without grad_fn (held by the caller) stay uncompressed
         compiled_recompute: under torch.compile, backward recomputes pointwise values it would otherwise save
+        compress_attention_inputs: under torch.compile, q, k and v saved for a fused attention's backward are
+            compressed too (False: kept exact, as they cost more accuracy than any other saved tensor; eagerly they
+            are always compressed)
         backend: "triton" kernels, "torch" reference, or "auto": Triton on CUDA, torch elsewhere
         eager_min_region_numel: a region called on a first float tensor input of fewer elements keeps
             its eagerly saved tensors exact (compiled graphs still compress; logged once per size);
@@ -117,6 +120,7 @@ class ActivationConfig:
     min_numel: int = 1024
     keep_region_leaf_inputs: bool = True
     compiled_recompute: bool = True
+    compress_attention_inputs: bool = False
     backend: str = "auto"
     eager_min_region_numel: int | None = None
 
@@ -124,7 +128,8 @@ class ActivationConfig:
         for name in ("linear_input_format", "other_format"):
             object.__setattr__(self, name, get_format(getattr(self, name)).name)
         _power_of_two("group_size", self.group_size, 2, 1024)
-        for name in ("per_tensor_linear_inputs", "keep_region_leaf_inputs", "compiled_recompute"):
+        for name in ("per_tensor_linear_inputs", "keep_region_leaf_inputs", "compiled_recompute",
+                     "compress_attention_inputs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.min_numel, int) or isinstance(self.min_numel, bool) or self.min_numel < 0:
