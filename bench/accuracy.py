@@ -10,6 +10,8 @@ table (the analogue of Table 1 of the COAT paper).
     python bench/accuracy.py parity --preset 350m ... --variants adamw,coat_fp8 --compile --seeds 1337 1338 1339 --out DIR
     python bench/accuracy.py summary DIR/compiled_seed*.json [--bound 0.01]
     python bench/accuracy.py quant-table [--preset small --steps 150 --json docs/img/quant_table.json]
+    # where compression's gradient error goes, eager and compiled, after 150 AdamW steps
+    python bench/accuracy.py grad-error --preset 350m --device cuda --batch-size 12 --seq-len 1024 --pair-vocab 32000
 
 parity: each variant starts from the same seed (identical initial weights), sees the same batches
 (a batch is a pure function of seed and step) and follows the same LR schedule (linear warm-up,
@@ -25,7 +27,10 @@ kernel's choice of min (see `reference_kernel_roundtrip`).
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
+import copy
+import dataclasses
 import datetime
 import json
 import math
@@ -132,7 +137,8 @@ def run_variant(variant: str, args, data, device: torch.device) -> dict:
         convert_to_fp8_linear(model, config=Fp8LinearConfig(grad_format=grad_format, eager_min_macs=0))
     # The method at any size: eagerly small layers would otherwise stay exact (eager_min_*).
     compress = variant == "coat_act" or (variant.startswith("coat_fp8") and not variant.startswith("coat_fp8lin"))
-    handle = compress_activations(model, config=ActivationConfig(eager_min_region_numel=0)) if compress else None
+    act = ActivationConfig(**{"eager_min_region_numel": 0, **args.act_config})
+    handle = compress_activations(model, config=act) if compress else None
     head = variant.rpartition("_")[2]
     if head.startswith("head"):
         fuse_lm_head_loss(model, fp8={"head8": Fp8LinearConfig(), "head8x": Fp8LinearConfig(fast_accum=False)}.get(head))
@@ -239,7 +245,26 @@ def deterministic() -> None:
     torch.utils.deterministic.fill_uninitialized_memory = False
 
 
+def act_overrides(pairs: list[str]) -> dict:
+    """--act-config KEY=VALUE pairs as ActivationConfig keywords ("true"/"false" as bools,
+    digits as ints), checked by building the config once."""
+    fields = {f.name for f in dataclasses.fields(ActivationConfig)}
+    out = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or key not in fields:
+            raise SystemExit(f"--act-config {pair!r}: expected KEY=VALUE with KEY one of {', '.join(sorted(fields))}")
+        low = value.lower()
+        out[key] = low == "true" if low in ("true", "false") else int(value) if value.lstrip("-").isdigit() else value
+    try:
+        ActivationConfig(**out)
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"--act-config: {e}") from None
+    return out
+
+
 def run_parity(args, argv) -> int:
+    args.act_config = act_overrides(args.act_config)
     variants = [v for v in args.variants.split(",") if v]
     if any(v not in VARIANTS for v in variants):
         raise SystemExit(f"unknown variant in {args.variants!r}; choose from {', '.join(VARIANTS)}")
@@ -262,7 +287,7 @@ def run_parity(args, argv) -> int:
                 tokens_per_step=args.batch_size * args.seq_len, precision="bf16 autocast" if device.type == "cuda"
                 and not args.fp32 else "fp32", data=data.description, lr=args.lr, warmup=args.warmup,
                 seed=args.seed, compiled=args.compile, cudnn_attention=not args.no_cudnn_attention,
-                deterministic=args.deterministic)
+                deterministic=args.deterministic, act_config=args.act_config)
     print(json.dumps(meta), flush=True)
     t0, results = time.time(), []
     for v in variants:
@@ -598,6 +623,92 @@ def run_quant_table(args, argv) -> int:
     return 0
 
 
+# -- gradient error of compression, eager and compiled --------------------------------------------
+
+
+def _sqnr_db(want: torch.Tensor, got: torch.Tensor) -> float:
+    err = (want - got).pow(2).sum().clamp_min(1e-30)
+    return (10 * torch.log10(want.pow(2).sum() / err)).item()
+
+
+def run_grad_error(args, argv) -> int:
+    """Train a model with torch AdamW, then one batch's weight gradients with
+    `compress_activations` against without it, eagerly and with every block compiled: per
+    parameter kind (over layers) the SQNR in dB and the norm ratio. Where compression's error
+    goes, without a whole training run per question. On CUDA with deterministic kernels, so
+    that the difference is compression's alone."""
+    act = act_overrides(args.act_config)
+    modes = args.modes.split(",")
+    if any(m not in ("eager", "compiled", "compiled_cqkv") for m in modes):
+        raise SystemExit(f"--modes {args.modes!r}: choose from eager, compiled, compiled_cqkv")
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        deterministic()  # else two uncompressed runs already differ (SDPA's and the embedding's backward)
+    torch.manual_seed(args.seed)
+    data = load_data(DataConfig(max_bytes=args.max_data_bytes))
+    if args.pair_vocab:
+        data = pair_tokens(data, args.pair_vocab)
+    base = Llama(model_config(args.preset, max_seq_len=max(args.seq_len, 16), vocab_size=data.vocab_size)).to(device)
+    bf16 = device.type == "cuda"
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
+    opt = torch.optim.AdamW(base.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    loss = float("nan")
+    for step in range(args.train_steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, args.train_steps, args.warmup, args.lr)
+        x, y = (t.to(device) for t in data.batch("train", args.batch_size, args.seq_len,
+                                                  batch_seed(args.seed, step, 0, 0, "train")))
+        with autocast():
+            loss = base(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(base.parameters(), 1.0)
+        opt.step()
+        loss = loss.item()
+    del opt
+    base.zero_grad(set_to_none=True)
+    x, y = (t.to(device) for t in data.batch("train", args.grad_batch_size, args.seq_len,
+                                              batch_seed(args.seed, 10**6, 0, 0, "train")))
+
+    def grads(compress: bool, compiled: bool, cqkv: bool = False) -> dict:
+        model = copy.deepcopy(base)
+        cfg = ActivationConfig(**{"eager_min_region_numel": 0, **act, **({"compress_attention_inputs": True}
+                                                                           if cqkv else {})})
+        handle = compress_activations(model, config=cfg) if compress else None
+        if compiled:
+            for block in model.blocks:
+                compile_layer(block)
+        with autocast():
+            model(x, y).backward()
+        out = {n: p.grad.float() for n, p in model.named_parameters()}
+        if handle is not None:
+            handle.remove()
+        torch._dynamo.reset()
+        return out
+
+    rows = collections.defaultdict(list)
+    for mode in modes:
+        compiled = mode.startswith("compiled")
+        want, got = grads(False, compiled), grads(True, compiled, mode == "compiled_cqkv")
+        for n in want:
+            kind = n.split(".", 2)[2] if n.startswith("blocks.") else n
+            rows[kind, mode].append((_sqnr_db(want[n], got[n]), (got[n].norm() / want[n].norm()).item()))
+    print(json.dumps(dict(command="python bench/accuracy.py " + " ".join(argv), device=str(
+        torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"), torch=torch.__version__,
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), preset=args.preset,
+        train_steps=args.train_steps, train_loss=loss, act_config=act)))
+    print("| parameter | " + " | ".join(f"{m}: SQNR dB, mean (min) | {m}: norm ratio, mean" for m in modes) + " |")
+    print("|---|" + "---|---|" * len(modes))
+    for kind in dict.fromkeys(k for k, _ in rows):
+        cells = []
+        for m in modes:
+            v = rows[kind, m]
+            cells += [f"{statistics.mean(d for d, _ in v):.1f} ({min(d for d, _ in v):.1f})",
+                      f"{statistics.mean(r for _, r in v):.4f}"]
+        print(f"| {kind} | " + " | ".join(cells) + " |")
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -625,6 +736,8 @@ def main(argv=None) -> int:
     p.add_argument("--pair-vocab", type=int, default=0, help="tokens of this vocabulary (> 256): byte pairs, the "
                    "most frequent as one token each (pair_tokens); 0: bytes")
     p.add_argument("--log-interval", type=int, default=50)
+    p.add_argument("--act-config", action="append", default=[], metavar="KEY=VALUE",
+                   help="an ActivationConfig field for the compressing variants (repeatable)")
     p.add_argument("--out", default="", help="write <out>.json and <out>.png (several seeds: a folder)")
     s = sub.add_parser("summary", help="combine parity runs made with different seeds")
     s.add_argument("files", nargs="+", help="parity --out JSON files or logs; runs of one seed are merged")
@@ -641,9 +754,28 @@ def main(argv=None) -> int:
     q.add_argument("--zero-steps", type=int, default=150)
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--json", default="", help="also write the numbers here")
+    g = sub.add_parser("grad-error", help="one batch's gradient error of compression, eager and compiled, "
+                       "after training with torch AdamW")
+    g.add_argument("--preset", default="tiny")
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--train-steps", type=int, default=150)
+    g.add_argument("--batch-size", type=int, default=16)
+    g.add_argument("--grad-batch-size", type=int, default=4)
+    g.add_argument("--seq-len", type=int, default=128)
+    g.add_argument("--lr", type=float, default=3e-4)
+    g.add_argument("--warmup", type=int, default=30)
+    g.add_argument("--seed", type=int, default=1341)
+    g.add_argument("--max-data-bytes", type=int, default=32_000_000)
+    g.add_argument("--pair-vocab", type=int, default=0)
+    g.add_argument("--modes", default="eager,compiled,compiled_cqkv", help="comma-separated: eager, compiled, "
+                   "compiled_cqkv (compiled with compress_attention_inputs=True)")
+    g.add_argument("--act-config", action="append", default=[], metavar="KEY=VALUE",
+                   help="an ActivationConfig field (repeatable)")
     args = ap.parse_args(argv)
     if args.cmd == "summary":
         return run_summary(args.files, args.bound, args.baseline)
+    if args.cmd == "grad-error":
+        return run_grad_error(args, argv)
     return (run_parity if args.cmd == "parity" else run_quant_table)(args, argv)
 
 
