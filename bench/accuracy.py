@@ -137,8 +137,8 @@ def run_variant(variant: str, args, data, device: torch.device) -> dict:
         convert_to_fp8_linear(model, config=Fp8LinearConfig(grad_format=grad_format, eager_min_macs=0))
     # The method at any size: eagerly small layers would otherwise stay exact (eager_min_*).
     compress = variant == "coat_act" or (variant.startswith("coat_fp8") and not variant.startswith("coat_fp8lin"))
-    act = ActivationConfig(**{"eager_min_region_numel": 0, **args.act_config})
-    handle = compress_activations(model, config=act) if compress else None
+    handle = compress_activations(model, config=ActivationConfig(**{"eager_min_region_numel": 0, **args.act_config})) \
+        if compress else None
     head = variant.rpartition("_")[2]
     if head.startswith("head"):
         fuse_lm_head_loss(model, fp8={"head8": Fp8LinearConfig(), "head8x": Fp8LinearConfig(fast_accum=False)}.get(head))
