@@ -686,10 +686,12 @@ def run_grad_error(args, argv) -> int:
         torch._dynamo.reset()
         return out
 
-    rows = collections.defaultdict(list)
+    rows, uncompressed = collections.defaultdict(list), {}
     for mode in modes:
         compiled = mode.startswith("compiled")
-        want, got = grads(False, compiled), grads(True, compiled, mode == "compiled_cqkv")
+        if compiled not in uncompressed:  # compiled and compiled_cqkv share their reference
+            uncompressed[compiled] = grads(False, compiled)
+        want, got = uncompressed[compiled], grads(True, compiled, mode == "compiled_cqkv")
         for n in want:
             kind = n.split(".", 2)[2] if n.startswith("blocks.") else n
             rows[kind, mode].append((_sqnr_db(want[n], got[n]), (got[n].norm() / want[n].norm()).item()))
