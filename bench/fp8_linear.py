@@ -44,7 +44,7 @@ SIDES = ("bf16", "bf16_ckpt", "torchao", "coat", "coat_fp8", "coat_fp8_triton", 
          "coat_fp8_fused", "coat_fp8_headloss", "coat_fp8_sib_headloss", "coat_fp8_headloss8",
          "coat_fp8_sib_headloss8", "coat_fp8_headloss8x", "coat_fp8_nocomp_headloss",
          "coat_fp8_keepw_headloss", "coat_fp8_nocomp_keepw_headloss", "coat_fp8_nocomp_headloss8x",
-         "coat_fp8_nocomp_keepwmlp_headloss", "coat_fp8_nocomp_headloss_c8192", "coat_fp8_cqkv",
+         "coat_fp8_nocomp_keepwmlp_headloss", "coat_fp8_nocomp_headloss_c8192", "coat_fp8_cqkv", "coat_fp8_fused_cqkv",
          # The eager crossover: FP8 GEMMs forced on (f8) or off (nof8), compression forced on (ca)
          # or off (noca), whatever the size (coat_fp8_fused leaves both to the defaults).
          "coat_fp8_fused_f8_ca", "coat_fp8_fused_f8_noca", "coat_fp8_fused_nof8_ca", "coat_fp8_fused_nof8_noca")

@@ -104,7 +104,7 @@ def test_statistics_are_kept_as_they_are():
     lse = [(t, out) for t, out in seen if t.shape == (4, 4, 128)]
     assert len(rsqrt) >= 2 and len(lse) == 1 and all(t.numel() >= CFG.min_numel for t, _ in rsqrt + lse)
     assert all(stored_as_is(t, out) for t, out in rsqrt + lse)
-    assert handle.stats().compressed_tensors >= 12
+    assert handle.stats().compressed_tensors >= 9  # 13 less attention's q, k and v (exact)
     handle.remove()
 
 
@@ -242,7 +242,7 @@ def test_compression_next_to_checkpointed_layers(ckpt):
     model = _Stack(ckpt=ckpt, ckpt_layers=(0,))
     handle = coat_ds.compress_activations(model, config=CFG)
     got = _stack_grads(model, x, cos, sin)
-    assert handle.stats().compressed_tensors >= 12  # layer 1 only
+    assert handle.stats().compressed_tensors >= 9  # layer 1 only, less attention's q, k and v (exact)
     for n in want:
         if n.startswith("layers.0."):
             # Upstream of compressed layer 1, so its gradients carry layer 1's error too.
@@ -396,8 +396,8 @@ def test_deepspeed_activation_checkpointing():
     handle = coat_ds.compress_activations(model, config=CFG)
     got = _stack_grads(model, x, cos, sin)
     # DeepSpeed's checkpoint runs layer 0 under no_grad and recomputes it inside backward:
-    # the hooks leave it alone and compress layer 1 only.
-    assert 12 <= handle.stats().compressed_tensors <= 16
+    # the hooks leave it alone and compress layer 1 only (q, k and v exact).
+    assert 9 <= handle.stats().compressed_tensors <= 13
     for n in want:
         assert sqnr_db(want[n], got[n]) > GRAD_SQNR_DB, n
 

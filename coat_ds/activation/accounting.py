@@ -53,6 +53,7 @@ class Ledger:
         self._sweep_at = _SWEEP_AT
         self.uncompressed = self.compressed = self.n_compressed = 0
         self.n_kept = self.kept = self.dedup_hits = self.skipped = 0
+        self._kept_again: set[tuple[int, int]] = set()
 
     def _first_sight(self, key: tuple[int, int], root_ref: weakref.ref) -> bool:
         ref = self._storages.get(key)
@@ -89,6 +90,25 @@ class Ledger:
             self.compressed += n
             self.kept += n
             self.n_kept += 1
+
+    def to_kept(self, t: torch.Tensor, packed_bytes: int) -> None:
+        """A tensor counted by add_compressed is kept as it is after all (eager attention
+        inputs, hooks.py): its codes no longer count, its storage does (once per storage)."""
+        self.compressed -= packed_bytes
+        self.n_compressed -= 1
+        self.n_kept += 1
+        root = t if t._base is None else t._base
+        originals = self._originals
+        for i in range(len(originals) - 1, -1, -1):  # it was compressed a few saves ago
+            if originals[i][0]() is root:
+                del originals[i]
+                break
+        key = storage_key(t)
+        if key not in self._kept_again:
+            self._kept_again.add(key)
+            n = t.untyped_storage().nbytes()
+            self.compressed += n
+            self.kept += n
 
     def add_other(self, t: torch.Tensor) -> None:
         """A tensor subclass kept as is: counted by its logical size (its storage may not

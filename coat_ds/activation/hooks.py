@@ -10,6 +10,7 @@ synchronizes with the GPU."""
 from __future__ import annotations
 
 import weakref
+from collections import deque
 
 import torch
 from torch import nn
@@ -36,6 +37,10 @@ def _is_parameter(t: torch.Tensor) -> bool:
     # Parameter (only subclass instances carry the `_is_param` mark it also accepts).
     return type(t) is not _PLAIN and isinstance(t, nn.Parameter)
 
+
+# FP8 copies remembered for _keep_attention_inputs: q, k and v, each maybe a dedup hit, and
+# what the op saves between them and its output.
+_RECENT = 8
 
 # The autograd node of a dtype conversion (ToCopyBackward0), compared by identity: reading
 # its name per saved tensor costs more.
@@ -116,6 +121,9 @@ class SavedTensorCompressor:
         self._fp8 = _WeakTable()
         self._linear_inputs = _WeakTable()
         self._keep = _WeakTable()
+        # The last FP8 copies made, (tensor, copy) weakly: a fused attention's q, k and v
+        # are among them when its output is saved (_keep_attention_inputs). None: not kept.
+        self._recent = None if config.compress_attention_inputs else deque(maxlen=_RECENT)
         # Device index -> kernels (benchmarks set entries to stub them), and -> (kernels,
         # zero-element tensor) as pack uses them.
         self._ops: dict[int, object] = {}
@@ -224,7 +232,10 @@ class SavedTensorCompressor:
         weight_copy = node is _TO_COPY_NODE and dtype in _LOW and _casts_a_parameter(fn)
         # The policy's second half (positional: keyword arguments cost a microsecond per
         # saved tensor here): row_len, dense_order, weight_copy, linear_input, attention_output.
-        kind = self._candidate(row_len, perm is not None, weight_copy, linear, node in ATTENTION_NODES)
+        attention = node in ATTENTION_NODES
+        kind = self._candidate(row_len, perm is not None, weight_copy, linear, attention)
+        if attention and self._recent is not None:
+            self._keep_attention_inputs(fn)
         root_ref = weakref.ref(root)
         if kind is KEEP:
             ledger.add_kept(t, skey, root_ref)
@@ -236,13 +247,36 @@ class SavedTensorCompressor:
         if hit is not None and hit.origin() is not None:
             ledger.dedup_hits += 1
             hit.pending += 1
+            if self._recent is not None:
+                self._recent.append((weakref.ref(t), weakref.ref(hit)))
             return hit if hit.shape == t.shape and hit.stride == t.stride() else FP8View(hit, t)
         ops, empty = self._device_state(dev, t)
         saved = FP8Saved(_version_alias(t), version, perm, gapped, kind, self._formats[linear], self._group_size, ops,
                          root_ref, empty)
         self._fp8.add(key, saved)
         ledger.add_compressed(t, skey, root_ref, saved.nbytes)
+        if self._recent is not None:
+            self._recent.append((weakref.ref(t), weakref.ref(saved)))
         return saved
+
+    def _keep_attention_inputs(self, fn) -> None:
+        """`fn`, a fused attention's node, is saving its output O: switch the FP8 copies of
+        its q, k and v back to the tensors themselves (the policy's `attention_input`). The
+        op saved its inputs before it ran, when nothing told them from other tensors, so
+        they were compressed; they are still alive as its arguments. They are found among
+        the last copies made, as the tensors whose node (or, for a leaf, whose
+        AccumulateGrad) is one of fn's inputs."""
+        inputs = {node for node, _ in fn.next_functions if node is not None}
+        recent = self._recent
+        for t_ref, saved_ref in recent:
+            t, saved = t_ref(), saved_ref()
+            if t is None or saved is None or saved.tensor is not None:
+                continue
+            made_by = t.grad_fn
+            if made_by in inputs if made_by is not None else any(getattr(n, "variable", None) is t for n in inputs):
+                self.ledger.to_kept(t, saved.nbytes)
+                saved.keep_exact(t)
+        recent.clear()
 
     def pack_eager_exact(self, t: torch.Tensor):
         """`pack` for a region called on an input too small to compress eagerly: a traced

@@ -101,10 +101,11 @@ def has_gaps(t: torch.Tensor, perm: list[int]) -> bool:
 
 
 class FP8Saved:
-    """FP8 codes plus power-of-two scale exponents of one saved tensor."""
+    """FP8 codes plus power-of-two scale exponents of one saved tensor (or, after
+    keep_exact, the tensor itself)."""
 
     __slots__ = ("codes", "exps", "kind", "fmt", "group_size", "dtype", "inverse", "ops", "_restored",
-                 "pending", "origin", "shape", "stride", "gapped", "counter", "version", "__weakref__")
+                 "pending", "origin", "shape", "stride", "gapped", "counter", "version", "tensor", "__weakref__")
 
     def __init__(self, t: torch.Tensor, version: int, perm: list[int], gapped: bool, kind: str, fmt, group_size: int,
                  ops, origin: weakref.ref, empty: torch.Tensor):
@@ -144,10 +145,17 @@ class FP8Saved:
         self.version = version
         t.data = empty
         self.counter = t
+        self.tensor = None  # set by keep_exact
 
     @property
     def nbytes(self) -> int:
-        return self.codes.nbytes + self.exps.nbytes
+        return 0 if self.codes is None else self.codes.nbytes + self.exps.nbytes
+
+    def keep_exact(self, t: torch.Tensor) -> None:
+        """Hold `t`, the tensor this copy was made from (still alive), and drop the codes:
+        the hooks learn only after the save that a fused attention read it (hooks.py)."""
+        self.tensor = as_is(t)
+        self.codes = self.exps = self._restored = None
 
     def restore(self) -> torch.Tensor:
         """The dequantized tensor, with the original shape and strides.
@@ -160,6 +168,8 @@ class FP8Saved:
         nodes has run."""
         if self.counter._version != self.version:
             raise version_error(self.counter._version, self.version, self.dtype, self.shape)
+        if self.tensor is not None:
+            return self.tensor
         x = self._restored
         if isinstance(x, weakref.ref):
             x = x()

@@ -78,11 +78,13 @@ class Policy:
             flash, efficient, cuDNN or CPU kernels, flex attention), whose backward computes
             rowsum(dO * O) and subtracts it from every score gradient of that row: an FP8
             error there shifts the whole row, as an error in the logsumexp would.
-        attention_input: it is (a view or cast of) q, k or v of such an op (compiled graphs
-            only: eagerly the op saves its inputs before it runs, and nothing at that point
-            tells them from other tensors). Its backward recomputes the scores from q and k
-            against the forward's exact logsumexp, so their FP8 error reaches every
-            probability of the row; kept unless config.compress_attention_inputs."""
+        attention_input: it is (a view or cast of) q, k or v of such an op. Its backward
+            recomputes the scores from q and k against the forward's exact logsumexp, so
+            their FP8 error reaches every probability of the row; kept unless
+            config.compress_attention_inputs. Compiled graphs know it when they decide;
+            eagerly the op saves its inputs before it runs, so the hooks decide without it
+            and switch the FP8 copies back to exact when the op saves its output
+            (`exact_attention_inputs`; hooks.SavedTensorCompressor._keep_attention_inputs)."""
         kind = self.screen(dtype, numel, grad_flows, alive_anyway)
         if kind is not None:
             return kind

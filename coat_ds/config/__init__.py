@@ -103,9 +103,8 @@ class ActivationConfig:
         min_numel: saved tensors with fewer elements are kept as they are
         keep_region_leaf_inputs: region inputs without grad_fn (held by the caller) stay uncompressed
         compiled_recompute: under torch.compile, backward recomputes pointwise values it would otherwise save
-        compress_attention_inputs: under torch.compile, q, k and v saved for a fused attention's backward are
-            compressed too (False: kept exact, as they cost more accuracy than any other saved tensor; eagerly they
-            are always compressed)
+        compress_attention_inputs: q, k and v saved for a fused attention's backward are compressed too (False:
+            kept exact, eagerly and compiled, as they cost more accuracy than any other saved tensor)
         backend: "triton" kernels, "torch" reference, or "auto": Triton on CUDA, torch elsewhere
         eager_min_region_numel: a region called on a first float tensor input of fewer elements keeps
             its eagerly saved tensors exact (compiled graphs still compress; logged once per size);
