@@ -37,6 +37,22 @@ def stored_as_is(t: torch.Tensor, out) -> bool:
             and out.stride() == t.stride() and out.dtype == t.dtype)
 
 
+def spy_packs(handle, keep_tensors=True) -> list:
+    """Record (saved tensor, what the hook stored) for every pack call of `handle`'s hooks
+    (compress_activations' handle); with keep_tensors=False only the tensor's address, so
+    that the spy keeps nothing alive. `del handle.compressor.pack` stops it."""
+    seen = []
+    pack = handle.compressor.pack
+
+    def spying_pack(t):
+        out = pack(t)
+        seen.append((t if keep_tensors else t.data_ptr(), out))
+        return out
+
+    handle.compressor.pack = spying_pack
+    return seen
+
+
 def moments_like(shape, seed: int, device="cpu"):
     """Non-zero first and second moments spanning the decades real AdamW moments span, with
     m**2 <= v as AdamW's own moments satisfy (so |m| / sqrt(v) <= 1)."""

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_map
 
 import coat_ds
 from coat_ds import ActivationConfig
-from helpers import sqnr_db, stored_as_is
+from helpers import spy_packs, sqnr_db, stored_as_is
 from test_act_compile import _graph_saved
 
 CFG = ActivationConfig(backend="torch", min_numel=256)
@@ -52,6 +52,13 @@ def _hf_grads(model, ids, call=None) -> dict[str, torch.Tensor]:
     model.zero_grad(set_to_none=True)
     (model if call is None else call)(input_ids=ids, labels=ids).loss.backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _saved_inputs(seen, nodes) -> list:
+    """The (tensor, stored) pairs of `seen` (helpers.spy_packs) whose tensor is an input of
+    one of the autograd `nodes`: the q, k and v an attention op saved."""
+    inputs = {n for node in nodes for n, _ in node.next_functions}
+    return [(t, out) for t, out in seen if t.grad_fn in inputs]
 
 
 def _recording_sdpa(monkeypatch) -> list[torch.Tensor]:
@@ -96,9 +103,7 @@ def test_hf_sdpa_output_is_stored_exactly(name, monkeypatch):
     model, shape = _hf(name)
     ids = torch.randint(0, 128, shape, generator=torch.Generator().manual_seed(1))
     handle = coat_ds.compress_activations(model, config=CFG)
-    seen = []
-    pack = handle.compressor.pack
-    handle.compressor.pack = lambda t: seen.append((t, pack(t))) or seen[-1][1]
+    seen = spy_packs(handle)
     outputs = _recording_sdpa(monkeypatch)
     try:
         model(input_ids=ids, labels=ids).loss.backward()
@@ -179,17 +184,14 @@ def test_gpu_attention_ops_keep_their_output(name, cpu_kernel):
     model = _Attend(lambda q, k, v: call(op, q, k, v))
     x = torch.randn(2, 32, 64, requires_grad=True)
     handle = coat_ds.compress_activations(model, config=CFG)
-    seen = []
-    pack = handle.compressor.pack
-    handle.compressor.pack = lambda t: seen.append((t, pack(t))) or seen[-1][1]
+    seen = spy_packs(handle)
     try:
         model(x)
         # Eagerly: the output its own backward node (named by torch) saves is kept as it is.
         outputs = [(t, out) for t, out in seen if type(t.grad_fn).__name__ == node]
         assert outputs and all(stored_as_is(t, out) for t, out in outputs)
         # And so are q, k and v, which it saved before it ran (as FP8 then, switched back).
-        inputs = {n for n, _ in outputs[0][0].grad_fn.next_functions}
-        qkv = [(t, out) for t, out in seen if t.grad_fn in inputs]
+        qkv = _saved_inputs(seen, [outputs[0][0].grad_fn])
         assert len(qkv) >= 3 and all(stored_as_is(t, out) for t, out in qkv)
         assert handle.stats().compressed_tensors == 0
         # Compiled: the forward graph saves the op's first output as it is. (Its backward
@@ -283,9 +285,7 @@ def test_sdpa_backends_on_cuda(backend, compiled, monkeypatch):
                     assert any(holds_attention_output(t, o, tol=1e-2) for t in held)
             else:
                 fn = block
-                seen = []
-                pack = handle.compressor.pack
-                handle.compressor.pack = lambda t: seen.append((t, pack(t))) or seen[-1][1]
+                seen = spy_packs(handle)
                 outputs = attention_outputs(monkeypatch, block, x.clone().requires_grad_(True), cos, sin)
                 # The saved O may be another tensor object over the memory SDPA returns. The
                 # math backend saves none (its softmax saves the probabilities).
@@ -294,10 +294,9 @@ def test_sdpa_backends_on_cuda(backend, compiled, monkeypatch):
                 assert (backend == "MATH") != bool(stored) and all(stored_as_is(t, out) for t, out in stored)
                 if stored:  # and the q, k and v its node saved
                     t = stored[0][0] if stored[0][0]._base is None else stored[0][0]._base
-                    inputs = {n for n, _ in t.grad_fn.next_functions}
-                    qkv = [(t, out) for t, out in seen if t.grad_fn in inputs]
+                    qkv = _saved_inputs(seen, [t.grad_fn])
                     assert len(qkv) >= 3 and all(stored_as_is(t, out) for t, out in qkv)
-                handle.compressor.pack = pack
+                del handle.compressor.pack
             got = {n.removeprefix("_orig_mod."): g for n, g in block_grads(fn, x, cos, sin).items()}
         finally:
             handle.remove()
@@ -319,17 +318,14 @@ def test_hf_eager_sdpa_inputs_are_stored_exactly(name, monkeypatch):
     for compress_qkv in (True, False):
         config = ActivationConfig(backend="torch", min_numel=256, compress_attention_inputs=compress_qkv)
         handle = coat_ds.compress_activations(model, config=config)
-        seen = []
-        pack = handle.compressor.pack
-        handle.compressor.pack = lambda t: seen.append((t, pack(t))) or seen[-1][1]
+        seen = spy_packs(handle)
         with monkeypatch.context() as m:
             outputs = _recording_sdpa(m)
             try:
                 got = _hf_grads(model, ids)
             finally:
                 handle.remove()
-        inputs = {n for o in outputs for n, _ in o.grad_fn.next_functions}
-        qkv = [(t, out) for t, out in seen if t.grad_fn in inputs]
+        qkv = _saved_inputs(seen, [o.grad_fn for o in outputs])
         assert len(qkv) == 3 * len(outputs) > 0
         assert [stored_as_is(t, out) for t, out in qkv] == [not compress_qkv] * len(qkv)
         sqnr[compress_qkv] = min(sqnr_db(want[n], got[n]) for n in want if n.endswith(("q_proj.weight", "k_proj.weight")))

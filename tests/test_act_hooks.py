@@ -18,25 +18,10 @@ import coat_ds
 from coat_ds import ActivationConfig
 from coat_ds.activation.packing import FP8Saved, FP8View
 from coat_ds.models.llama import Llama, ModelConfig
-from helpers import stored_as_is
+from helpers import spy_packs, stored_as_is
 from test_act_llama_block import GRAD_SQNR_DB, Block, TinyLlama, block_grads, make_block, rope_tables, sqnr_db
 
 CFG = ActivationConfig(backend="torch", min_numel=256)
-
-
-def _spy(handle, keep_tensors=True):
-    """Record (saved tensor, what the hook stored) for every pack call; with
-    keep_tensors=False only the tensor's address, so that the spy keeps nothing alive."""
-    seen = []
-    pack = handle.compressor.pack
-
-    def spying_pack(t):
-        out = pack(t)
-        seen.append((t if keep_tensors else t.data_ptr(), out))
-        return out
-
-    handle.compressor.pack = spying_pack
-    return seen
 
 
 def _is_param_or_view(t, params):
@@ -49,7 +34,7 @@ def test_parameters_and_their_views_are_never_copied():
     x = torch.randn(2, 32, 64)
     cos, sin = rope_tables(32, 16, torch.float32)
     handle = coat_ds.compress_activations(block, config=CFG)
-    seen = _spy(handle)
+    seen = spy_packs(handle)
     block_grads(block, x, cos, sin)
     params = list(block.parameters())
     param_saves = [(t, out) for t, out in seen if _is_param_or_view(t, params)]
@@ -73,7 +58,7 @@ def test_integer_and_tiny_tensors_are_kept():
     idx = torch.randint(0, 64, (64, 64))
     m = M()
     handle = coat_ds.compress_activations(m, config=CFG)
-    seen = _spy(handle)
+    seen = spy_packs(handle)
     m(x * 1.0, idx).backward()
     kept = [t for t, out in seen if stored_as_is(t, out)]
     assert any(t.dtype == torch.int64 for t in kept)
@@ -98,7 +83,7 @@ def test_statistics_are_kept_as_they_are():
     x = torch.randn(4, 128, 64, requires_grad=True)
     cos, sin = rope_tables(128, 16, torch.float32)
     handle = coat_ds.compress_activations(block, config=CFG)
-    seen = _spy(handle)
+    seen = spy_packs(handle)
     block(x * 1.0, cos, sin).sum().backward()
     rsqrt = [(t, out) for t, out in seen if t.shape == (4, 128, 1)]
     lse = [(t, out) for t, out in seen if t.shape == (4, 4, 128)]
@@ -113,7 +98,7 @@ def test_tensor_saved_by_several_ops_is_compressed_once():
     # Requiring grad: a saved tensor that no gradient flows through is kept as it is.
     x = torch.randn(4, 16, 64, requires_grad=True)
     handle = coat_ds.compress_activations(m, config=CFG)
-    seen = _spy(handle)
+    seen = spy_packs(handle)
     m(x * 1.0).sum().backward()
     st = handle.stats()
     h_saves = [out for t, out in seen if t.shape == (64, 64) and t.stride() == (64, 1) and t._base is not None]
@@ -130,7 +115,7 @@ def test_shared_save_is_dequantized_once_for_all_its_users():
     # all three nodes, however far apart they run, then lets it go.
     m = _SharedInput()
     handle = coat_ds.compress_activations(m, config=CFG)
-    seen = _spy(handle)
+    seen = spy_packs(handle)
     ops = handle.compressor._ops_for(torch.empty(0))
     calls = []
     counted = SimpleNamespace(**vars(ops))
@@ -180,7 +165,7 @@ def test_reused_address_is_not_mistaken_for_a_duplicate():
     w = torch.ones(64, 64, requires_grad=True)
     m = Reuse()
     handle = coat_ds.compress_activations(m, config=CFG)
-    seen = _spy(handle, keep_tensors=False)
+    seen = spy_packs(handle, keep_tensors=False)
     m(w).sum().backward()
     assert len({p for p, _ in seen}) == 1 and len(seen) == 4
     assert handle.stats().dedup_hits == 0 and handle.stats().compressed_tensors == 4
@@ -428,7 +413,7 @@ def test_restored_tensors_keep_their_strides_and_group_along_stride_one():
     w = torch.randn(48, requires_grad=True)
     m = M()
     handle = coat_ds.compress_activations(m, config=CFG)
-    seen = _spy(handle)
+    seen = spy_packs(handle)
     m(a, w).sum().backward()
     saved = [out for t, out in seen if isinstance(out, FP8Saved)]
     assert len(saved) == 1
@@ -469,7 +454,7 @@ def test_view_with_gaps_is_compressed_and_frees_its_storage():
     del loss
 
     handle = coat_ds.compress_activations(m, config=CFG)
-    seen = _spy(handle, keep_tensors=False)
+    seen = spy_packs(handle, keep_tensors=False)
     loss = m(x)
     assert m.qkv_alive[-1]() is None
     gapped = [out for _, out in seen if isinstance(out, FP8Saved) and out.gapped]

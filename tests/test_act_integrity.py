@@ -11,7 +11,7 @@ from torch import nn
 import coat_ds
 from coat_ds import ActivationConfig
 from coat_ds.activation.packing import FP8Saved, FP8View
-from helpers import sqnr_db, stored_as_is
+from helpers import spy_packs, sqnr_db, stored_as_is
 
 CFG = ActivationConfig(backend="torch", min_numel=256)
 
@@ -86,9 +86,7 @@ def test_autocast_weight_copies_are_kept():
     x = torch.randn(4, 32, 64, requires_grad=True)
     want = grads_of(model, (x,), autocast=True)
     handle = coat_ds.compress_activations(model, config=CFG)
-    seen = []
-    pack = handle.compressor.pack
-    handle.compressor.pack = lambda t: seen.append((t, pack(t))) or seen[-1][1]
+    seen = spy_packs(handle)
     got = grads_of(model, (x,), autocast=True)
     handle.remove()
     copies = [(t, out) for t, out in seen if t.dtype == torch.bfloat16 and t.shape in ((64, 256), (256, 64))]

@@ -121,14 +121,14 @@ class SavedTensorCompressor:
         self._fp8 = _WeakTable()
         self._linear_inputs = _WeakTable()
         self._keep = _WeakTable()
-        # The last FP8 copies made, (tensor, copy) weakly: a fused attention's q, k and v
-        # are among them when its output is saved (_keep_attention_inputs). None: not kept.
-        self._recent = None if config.compress_attention_inputs else deque(maxlen=_RECENT)
         # Device index -> kernels (benchmarks set entries to stub them), and -> (kernels,
         # zero-element tensor) as pack uses them.
         self._ops: dict[int, object] = {}
         self._per_device: dict[int, tuple] = {}
         self.policy = Policy(config)
+        # The last FP8 copies made, (tensor, copy) weakly: a fused attention's q, k and v
+        # are among them when its output is saved (_keep_attention_inputs). None: not kept.
+        self._recent = deque(maxlen=_RECENT) if self.policy.exact_attention_inputs else None
         # Its two halves, bound once: pack calls them for every saved tensor.
         self._screen, self._candidate = self.policy.screen, self.policy.candidate
         self._formats = {False: get_format(config.other_format), True: get_format(config.linear_input_format)}
