@@ -145,7 +145,7 @@ def setup_fsdp_engine(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
             (loss / ds.grad_accum).backward()  # the mean over the accumulated micro-batches, as DeepSpeed does
         if last:
             if ds.clip and not in_backward:
-                clip_grad_norm_(model, ds.clip)
+                clip_grad_norm_(model, ds.clip, sync=False)  # the norm is not read: no wait for the GPU
             optim.step()
             optim.zero_grad(set_to_none=True)
             sched.step()
@@ -226,6 +226,14 @@ def peak_memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux: KiB; whole process
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`; to a GPU from pinned memory without blocking, so that the host does not
+    wait there for the last step's kernels and queues the next step's while they run."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def max_over_ranks(value: float) -> float:
@@ -391,7 +399,7 @@ def train(cfg: TrainConfig) -> None:
             tracer = start_trace(runner.device)
         for micro in range(runner.grad_accum):
             x, y = data.batch("train", runner.micro_batch, cfg.seq_len, batch_seed(cfg.seed, step, rank, micro))
-            window.append(runner.train_micro_step(x.to(runner.device), y.to(runner.device)))
+            window.append(runner.train_micro_step(to_device(x, runner.device), to_device(y, runner.device)))
         done = step + 1
         if tracer is not None and (done == trace_first + TRACE_STEPS or done == cfg.max_steps):
             write_trace(tracer, cfg.trace, done - trace_first, say)

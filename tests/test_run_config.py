@@ -170,6 +170,21 @@ def test_clip_grad_norm_refuses_a_factor_that_would_flip_gradients():
     assert norm > 1e-3 and clipped == pytest.approx(1e-3, rel=1e-3)
 
 
+def test_clip_grad_norm_without_sync_returns_the_norm_as_a_tensor():
+    """sync=False (train.py's, every step): the same clipping, the norm as a 0-dim tensor on the
+    gradients' device instead of a float read back from it."""
+    grads = {}
+    for sync in (True, False):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(4, 4)
+        lin(torch.randn(2, 4)).sum().backward()
+        grads[sync] = (clip_grad_norm_(lin, 1e-3, sync=sync), [p.grad.clone() for p in lin.parameters()])
+    (n_float, g_float), (n_tensor, g_tensor) = grads[True], grads[False]
+    assert isinstance(n_float, float) and isinstance(n_tensor, torch.Tensor) and n_tensor.dim() == 0
+    assert n_tensor.item() == n_float > 1e-3
+    assert all(torch.equal(a, b) for a, b in zip(g_float, g_tensor))
+
+
 def test_help_lists_each_flag_once_with_what_it_does_and_its_default(capsys):
     with pytest.raises(SystemExit) as err:
         train.parse_config(["--help"])

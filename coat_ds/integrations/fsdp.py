@@ -146,16 +146,21 @@ def setup_fsdp(model: nn.Module, config: FsdpConfig | None = None, **overrides) 
                 mixed_precision=mp, sharding_strategy=strategy)
 
 
-def clip_grad_norm_(model: nn.Module, max_norm: float) -> float:
+def clip_grad_norm_(model: nn.Module, max_norm: float, *, sync: bool = True) -> float | torch.Tensor:
     """Clip the gradients of a sharded model to a global norm of `max_norm`; returns the
-    norm before clipping (the same on every rank)."""
+    norm before clipping (the same on every rank): a float, or with `sync=False` a 0-dim
+    tensor on the gradients' device, so that the host need not wait for the GPU (a training
+    loop that does not read the norm every step keeps the GPU fed)."""
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not 0 < max_norm < float("inf"):
         # torch scales by max_norm / norm unchecked: a negative value would flip every gradient.
         raise ValueError(f"max_norm must be a finite number > 0 (leave clipping out to turn it off), got {max_norm!r}")
     if is_fsdp1(model):
-        return float(model.clip_grad_norm_(max_norm))
-    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
-    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        norm = model.clip_grad_norm_(max_norm)
+    else:
+        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+    return float(norm) if sync else norm
 
 
 def is_fsdp2(model: nn.Module) -> bool:
