@@ -53,15 +53,17 @@ class Ledger:
         self._sweep_at = _SWEEP_AT
         self.uncompressed = self.compressed = self.n_compressed = 0
         self.n_kept = self.kept = self.dedup_hits = self.skipped = 0
-        self._kept_again: set[tuple[int, int]] = set()
+        # Storages of compressed tensors kept as they are after all (to_kept), as _storages.
+        self._kept_again: dict[tuple[int, int], weakref.ref] = {}
 
-    def _first_sight(self, key: tuple[int, int], root_ref: weakref.ref) -> bool:
-        ref = self._storages.get(key)
+    def _first_sight(self, key: tuple[int, int], root_ref: weakref.ref, table: dict | None = None) -> bool:
+        table = self._storages if table is None else table
+        ref = table.get(key)
         if ref is not None and ref() is not None:
             return False
-        if len(self._storages) >= self._sweep_at:
+        if len(table) >= self._sweep_at:
             self._sweep()
-        self._storages[key] = root_ref
+        table[key] = root_ref
         return True
 
     def _sweep(self) -> None:
@@ -70,7 +72,8 @@ class Ledger:
         # threshold doubles with what is live, so sweeping stays O(1) per saved tensor.
         self._originals = [(ref, n) for ref, n in self._originals if ref() is not None]
         self._storages = {k: ref for k, ref in self._storages.items() if ref() is not None}
-        self._sweep_at = max(_SWEEP_AT, 2 * max(len(self._originals), len(self._storages)))
+        self._kept_again = {k: ref for k, ref in self._kept_again.items() if ref() is not None}
+        self._sweep_at = max(_SWEEP_AT, 2 * max(len(self._originals), len(self._storages), len(self._kept_again)))
 
     # The callers pass what they have already read: `key` is storage_key(t), `root_ref` a
     # weak reference to the tensor owning t's storage (t itself, or its base).
@@ -103,9 +106,7 @@ class Ledger:
             if originals[i][0]() is root:
                 del originals[i]
                 break
-        key = storage_key(t)
-        if key not in self._kept_again:
-            self._kept_again.add(key)
+        if self._first_sight(storage_key(t), weakref.ref(root), self._kept_again):
             n = t.untyped_storage().nbytes()
             self.compressed += n
             self.kept += n
