@@ -257,7 +257,7 @@ def evaluate(cfg: TrainConfig, runner: Runner, data: TokenData, rank: int) -> fl
     losses = []
     for i in range(cfg.eval_batches):
         x, y = data.batch("val", runner.micro_batch, cfg.seq_len, batch_seed(cfg.seed, i, rank, 0, "val"))
-        losses.append(runner.eval_loss(x.to(runner.device), y.to(runner.device)))
+        losses.append(runner.eval_loss(to_device(x, runner.device), to_device(y, runner.device)))
     return mean_over_ranks(losses)
 
 
