@@ -96,6 +96,29 @@ def test_offload_settings():
         prepare_config(cfg)
 
 
+def test_deepspeeds_overflow_check_goes_off_only_where_coat_adamw_takes_it_over():
+    """ZeRO-1/2 + BF16 + no optimizer offload + a norm computed: DeepSpeed's per-step check
+    is off (CoatAdamW skips by the global norm, tests/test_deepspeed_zero.py); a key the
+    config sets, and every other case, is left as it is."""
+    def check(cfg):
+        ds, _ = prepare_config(cfg)
+        return ds.get("bf16", ds.get("bfloat16", {})).get("check_grad_overflow")
+
+    for stage in (1, 2):
+        cfg = _cfg()
+        cfg["zero_optimization"]["stage"] = stage
+        cfg["bf16"] = {"enabled": True}
+        assert check(cfg) is False
+    assert check({**_cfg(), "bfloat16": {"enabled": True}}) is False  # DeepSpeed's older key
+    assert check({**_cfg(), "bf16": {"enabled": True, "check_grad_overflow": True}}) is True
+    assert check(_cfg()) is None  # FP32: DeepSpeed skips on a non-finite norm itself
+    for zero in ({"stage": 3}, {"stage": 0}, {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+                 {"stage": 2, "compute_grad_norm": False}):
+        assert check({**_cfg(), "bf16": {"enabled": True}, "zero_optimization": zero}) is None, zero
+    plain = {**_bf16_cfg()}
+    assert prepare_config(plain)[0] == plain  # another optimizer: DeepSpeed's check stays
+
+
 def test_shipped_ds_configs():
     files = sorted(glob.glob(os.path.join(ROOT, "ds_configs", "*.json")))
     names = {os.path.basename(f) for f in files}

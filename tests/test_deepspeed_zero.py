@@ -6,6 +6,7 @@ those workers and checks what they report (one JSON file per rank).
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -20,7 +21,7 @@ ROOT = os.path.dirname(HERE)
 STEPS, SAVE_AT = 8, 4  # train STEPS optimizer steps; checkpoint after SAVE_AT
 
 
-def ds_config(stage: int, grad_accum: int = 1, offload: bool = False) -> dict:
+def ds_config(stage: int, grad_accum: int = 1, offload: bool = False, check_grad_overflow: bool | None = None) -> dict:
     zero = {"stage": stage}
     if stage == 3:
         # Partition every parameter and cut them into several sub-groups, so step() is
@@ -32,7 +33,8 @@ def ds_config(stage: int, grad_accum: int = 1, offload: bool = False) -> dict:
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": grad_accum,
         "gradient_clipping": 1.0,
-        "bf16": {"enabled": True},
+        "bf16": {"enabled": True} if check_grad_overflow is None else {"enabled": True,
+                                                                       "check_grad_overflow": check_grad_overflow},
         "optimizer": {"type": "CoatAdamW",
                       "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1, "min_quant_numel": 1024}},
         "zero_optimization": zero,
@@ -42,13 +44,13 @@ def ds_config(stage: int, grad_accum: int = 1, offload: bool = False) -> dict:
 
 # -- worker side ------------------------------------------------------------------------------
 
-def _engine(stage: int, grad_accum: int = 1, offload: bool = False):
+def _engine(stage: int, grad_accum: int = 1, offload: bool = False, check_grad_overflow: bool | None = None):
     from coat_ds.integrations.deepspeed.engine import initialize
     from coat_ds.models.llama import Llama, model_config
 
     torch.manual_seed(0)
     model = Llama(model_config("tiny", max_seq_len=32))
-    engine, *_ = initialize(model=model, config=ds_config(stage, grad_accum, offload))
+    engine, *_ = initialize(model=model, config=ds_config(stage, grad_accum, offload, check_grad_overflow))
     return engine
 
 
@@ -138,12 +140,54 @@ def worker_zero(stage: int, out: str) -> None:
     result["resumed_losses"] = _train(resumed, data, range(SAVE_AT, STEPS), [rank])
 
     if stage == 2:  # ZeRO-Offload: CoatAdamW steps on the host copy
+        overflow_runs(data, out)
         off = _engine(2, offload=True)
         result["offload_losses"] = _train(off, data, range(3), [rank])
         result["offload_state_devices"] = sorted({str(v.device) for s in coat_optimizer(off).state.values()
                                                   for v in s.values()})
         result["offload_n_state"] = len(coat_optimizer(off).state)
     with open(os.path.join(out, f"zero{stage}_rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+OVERFLOW_STEP, OVERFLOW_STEPS = 2, 5
+
+
+def overflow_runs(data, out: str) -> None:
+    """ZeRO-2, the same run three ways, rank 1 making one element of the first parameter's gradient
+    inf at OVERFLOW_STEP (after averaging it lands in rank 0's partition only): with
+    DeepSpeed's overflow check (`check_grad_overflow: true`); as configured by default, with
+    CoatAdamW skipping by the global norm instead; the same with that skip turned off (each
+    rank steps on what it holds)."""
+    from coat_ds.integrations.deepspeed.engine import coat_optimizer
+
+    result = {}
+    for name, check, gate in (("checked", True, True), ("on_device", None, True), ("ungated", None, False)):
+        engine = _engine(2, check_grad_overflow=check)
+        opt = coat_optimizer(engine)
+        result[f"{name}_gated"] = opt._global_norm is not None
+        if not gate:
+            opt.skip_steps_by_global_norm(None)
+        first = next(engine.module.parameters())
+        armed = []
+
+        def poison(grad):
+            if armed and engine.global_rank == 1:
+                grad = grad.clone()
+                grad.view(-1)[0] = float("inf")
+            return grad
+
+        first.register_hook(poison)
+        losses = []
+        for step in range(OVERFLOW_STEPS):
+            armed[:] = [True] if step == OVERFLOW_STEP else []
+            losses += _train(engine, data, range(step, step + 1), [engine.global_rank])
+        part = engine.optimizer.single_partition_of_fp32_groups[0]
+        result[name] = {"losses": losses, "skipped_steps": engine.skipped_steps, "global_steps": engine.global_steps,
+                        "nonfinite_groups": opt.nonfinite_groups(), "groups": -(-part.numel() // 128)}
+        torch.save({"param": part.detach().clone(), "state": {k: v.clone() for k, v in opt.state[part].items()}},
+                   os.path.join(out, f"overflow_{name}_rank{engine.global_rank}.pt"))
+    with open(os.path.join(out, f"overflow_rank{torch.distributed.get_rank()}.json"), "w") as f:
         json.dump(result, f)
 
 
@@ -283,6 +327,40 @@ def test_resume_two_ranks_on_one(runs, stage):
     assert len(one["losses"]) == len(expected)
     for got, want in zip(one["losses"], expected):
         assert abs(got - want) < 0.02 * abs(want), (one["losses"], expected)
+
+
+@pytest.mark.slow
+def test_zero2_without_deepspeeds_overflow_check_coat_skips_the_whole_step(runs):
+    """ZeRO-2 by default: DeepSpeed's overflow check off, CoatAdamW skips a step whose global
+    gradient norm is not finite on every rank, leaving the same parameters and moments as DeepSpeed's
+    own skip (up to the bias corrections' float32 rounding), where without that skip each
+    rank would step on the finite part it holds."""
+    runs(2)
+    for rank in range(2):
+        r = json.load(open(runs.out / f"overflow_rank{rank}.json"))
+        assert not r["checked_gated"] and r["on_device_gated"]
+        checked, on_device = r["checked"], r["on_device"]
+        assert checked["skipped_steps"] == 1 and checked["nonfinite_groups"] == 0
+        # DeepSpeed no longer knows of the skip; CoatAdamW counts every group of this rank once.
+        assert on_device["skipped_steps"] == 0 and on_device["nonfinite_groups"] == on_device["groups"]
+        assert all(map(math.isfinite, on_device["losses"])), on_device["losses"]
+        for got, want in zip(on_device["losses"], checked["losses"]):
+            assert abs(got - want) <= 1e-3 * abs(want), (on_device["losses"], checked["losses"])
+        a, b, c = (torch.load(runs.out / f"overflow_{n}_rank{rank}.pt") for n in ("checked", "on_device", "ungated"))
+        torch.testing.assert_close(b["param"], a["param"], rtol=1e-5, atol=1e-6)
+        # The skipped step is counted in CoatAdamW's step and in each group's skips, which
+        # its bias correction subtracts, not in DeepSpeed.
+        assert float(b["state"].pop("step")) == float(a["state"].pop("step")) + 1
+        assert torch.equal(b["state"].pop("group_skips"), a["state"].pop("group_skips") + 1)
+        for key, want in a["state"].items():
+            got = b["state"][key]
+            if torch.is_floating_point(want):
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+            else:  # FP8 codes: a rounding apart at most
+                assert (got.int() - want.int()).abs().max() <= 1, key
+        # Without the whole-step skip the ranks step on zero (clipped by an infinite norm) or
+        # partly non-finite gradients: their parameters leave DeepSpeed's.
+        assert (c["param"] - a["param"]).abs().max() > 1e-4
 
 
 @pytest.mark.slow

@@ -87,6 +87,39 @@ def test_skipped_group_matches_torch_adamw_with_its_own_step_fp8_moments(backend
     assert ((p.detach() - want)[rest].abs() / (want - p0)[rest].abs().mean()).max().item() < 0.1
 
 
+@pytest.mark.filterwarnings("ignore:CoatAdamW skipped")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_nonfinite_global_norm_skips_the_whole_step_like_no_step(backend, device):
+    """skip_steps_by_global_norm: a step whose global norm is inf or NaN leaves every
+    parameter and moment as if step() had not been called (each group counts the skip and
+    is bias-corrected at its own step); finite or unknown (None) norms change nothing."""
+    torch.manual_seed(0)
+    p0 = torch.randn(SHAPE, device=device)
+    grads = [torch.randn(SHAPE, device=device) * 0.1 for _ in range(4)]
+    for value in (float("inf"), float("nan")):
+        plain, _ = _coat(p0, grads[:1] + grads[2:], backend, quantized=True)  # never sees grads[1]
+        p = torch.nn.Parameter(p0.clone())
+        opt = CoatAdamW([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, backend=backend, min_quant_numel=1)
+        norms = iter([torch.tensor(1.0, device=device), torch.tensor(value, device=device), None,
+                      torch.tensor(2.0, device=device)])
+        opt.skip_steps_by_global_norm(lambda: next(norms))
+        for i, g in enumerate(grads):
+            p.grad = g.clone()
+            opt.step()
+            if i == 1:
+                assert opt.nonfinite_groups() == 4, value
+                assert opt.state[p]["group_skips"].tolist() == [[1, 1], [1, 1]]
+        # The kernels bias-correct a group that skipped in float32, the host in float64.
+        torch.testing.assert_close(p.detach(), plain.detach(), rtol=0, atol=1e-6)
+    copied = copy.deepcopy(opt)
+    assert copied._global_norm is None  # a copy is not tied to the engine that computes the norm
+    with pytest.raises(TypeError, match="callable"):
+        opt.skip_steps_by_global_norm(1.0)
+    backward = CoatAdamW([torch.nn.Parameter(torch.zeros(4))], step_in_backward=True)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        backward.skip_steps_by_global_norm(lambda: None)
+
+
 def _slot(seed, skips):
     gen = torch.Generator().manual_seed(seed)
     p = torch.randn(3, 300, generator=gen)

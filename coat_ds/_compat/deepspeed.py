@@ -24,7 +24,8 @@ from . import warn_once
 
 __all__ = ["CHECKED", "DeepSpeedInternalsError", "installed_version", "known_config_words", "zero_tested",
            "mark_zero_tested", "ZeroLayout", "zero_layout", "set_full_fp32_param", "fp32_partitions",
-           "refresh_lp_params", "zero3_param_groups_filled", "release_zero3_references", "zero3_partitioned", "comm_op_build"]
+           "refresh_lp_params", "zero3_param_groups_filled", "release_zero3_references", "zero3_partitioned", "comm_op_build",
+           "unchecked_overflow_norm"]
 
 CHECKED = "0.19.8"
 
@@ -230,6 +231,26 @@ def fp32_partitions(zopt) -> list[tuple] | None:
     if hasattr(zopt, "single_partition_of_fp32_groups"):  # ZeRO-1/2
         return [(t, i) for i, t in enumerate(zopt.single_partition_of_fp32_groups)]
     return None
+
+
+def unchecked_overflow_norm(zopt):
+    """Where a ZeRO-1/2 optimizer was told not to check gradients for overflow
+    (`"bf16": {"check_grad_overflow": false}`), a callable giving the global gradient norm its
+    step computed (`_global_grad_norm`: a device tensor, the same on every rank, inf where a
+    gradient or the norm itself was not finite), for CoatAdamW to skip such a step itself.
+    None where DeepSpeed checks, or is not ZeRO-1/2 (ZeRO-3 always checks), or computes no
+    norm (`zero_optimization.compute_grad_norm: false`, or a version without these
+    attributes: the fallback, with a warning, is no whole-step skip)."""
+    if (getattr(zopt, "check_grad_overflow", True) or getattr(zopt, "dtype", None) != torch.bfloat16
+            or not hasattr(zopt, "single_partition_of_fp32_groups")):
+        return None  # FP16 and FP32 runs skip on a non-finite norm themselves
+    if not getattr(zopt, "compute_grad_norm", False) or "_global_grad_norm" not in vars(zopt):
+        warn_once("unchecked_overflow_norm",
+                  f"{_where()}: bf16.check_grad_overflow is false and its ZeRO optimizer computes no global "
+                  "gradient norm (zero_optimization.compute_grad_norm false?): nothing skips a step with a "
+                  "non-finite gradient; CoatAdamW leaves only the groups whose own gradient is not finite unchanged")
+        return None
+    return lambda: zopt._global_grad_norm
 
 
 @torch.no_grad()

@@ -7,6 +7,7 @@ import itertools
 from collections import defaultdict
 from itertools import compress, repeat
 from operator import attrgetter, is_not
+from typing import Callable
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -105,6 +106,7 @@ class CoatAdamW(InBackwardMethods, torch.optim.Optimizer):
         self._validate(defaults)
         super().__init__(params, defaults)
         self._skips = SkipCounter()
+        self._global_norm: Callable[[], torch.Tensor | None] | None = None
         self._drop_caches()
         watch.note_built(CoatAdamW)
 
@@ -118,6 +120,8 @@ class CoatAdamW(InBackwardMethods, torch.optim.Optimizer):
                 group.setdefault(key, value)
         if not hasattr(self, "_skips"):
             self._skips = SkipCounter()
+        if not hasattr(self, "_global_norm"):  # a copy does not keep its engine's norm
+            self._global_norm = None
         if not hasattr(self, "_in_backward"):  # a copy: hooks stay with the optimizer they were made for
             self._in_backward = None
         self._drop_caches()
@@ -153,11 +157,38 @@ class CoatAdamW(InBackwardMethods, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._in_backward is None:
-            self._step_selected(self._params_with_grads(), None)
+            self._step_selected(self._params_with_grads(), self._whole_step_gate())
         else:
             self._in_backward.close_step()
         self._skips.after_step()
         return loss
+
+    def skip_steps_by_global_norm(self, global_norm: Callable[[], torch.Tensor | None] | None) -> None:
+        """Skip whole steps whose global gradient norm is not finite, on the device.
+
+        Each `step()` first calls `global_norm()`: this step's gradient norm over every rank
+        (a tensor on the gradients' device, the same on every rank; None: not known this
+        step). Where it is NaN or inf, every group of every parameter is left unchanged and
+        counted as skipped (`nonfinite_groups()`), as when its own gradient is not finite,
+        so that no rank steps on what it holds of a gradient that overflowed elsewhere. The
+        host never waits for the answer. `coat_ds.deepspeed_initialize` sets this, with the
+        norm DeepSpeed computes for clipping, in place of DeepSpeed's own overflow check under
+        ZeRO-1/2 (docs/deepspeed.md); None turns it off."""
+        if global_norm is not None and not callable(global_norm):
+            raise TypeError(f"global_norm must be a callable or None, got {type(global_norm).__name__}")
+        if global_norm is not None and self._in_backward is not None:
+            raise ValueError("skip_steps_by_global_norm: a step_in_backward optimizer steps before the global norm "
+                             "is known; pass max_grad_norm to CoatAdamW instead")
+        self._global_norm = global_norm
+
+    def _whole_step_gate(self) -> torch.Tensor | None:
+        """The gradient scale that skips this whole step where the global norm is not finite
+        (NaN makes every group non-finite, so the kernels skip and count each), else 1."""
+        norm = None if self._global_norm is None else self._global_norm()
+        if norm is None:
+            return None
+        norm = torch.as_tensor(norm, dtype=torch.float32).reshape(())
+        return torch.where(torch.isfinite(norm), 1.0, float("nan")).to(torch.float32)
 
     def _params_with_grads(self) -> list[tuple[int, list[torch.Tensor]]]:
         work = []

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..._compat.deepspeed import comm_op_build, fp32_partitions
+from ..._compat.deepspeed import comm_op_build, fp32_partitions, unchecked_overflow_norm
 from ...config import OptimStateConfig
-from ...config.ds_json import OPTIMIZER_ARGUMENTS, batch_keys, load_ds_config, optimizer_section
+from ...config.ds_json import OPTIMIZER_ARGUMENTS, batch_keys, load_ds_config, optimizer_section, precision
 from ...optim import CoatAdamW
 from ...optim import state as st
 from ...config.shipped import find_ds_config
@@ -92,6 +92,12 @@ def prepare_config(config) -> tuple[dict, dict | None]:
                              "optimizer.params.backend must be 'auto' or 'torch', not 'triton'")
         # Otherwise DeepSpeed insists on its own DeepSpeedCPUAdam for offloaded states.
         ds["zero_force_ds_cpu_optimizer"] = False
+    bf16_key = "bf16" if ds.get("bf16") is not None or "bfloat16" not in ds else "bfloat16"
+    if (precision(ds, where)[0] and zero.get("stage", 0) in (1, 2) and offload == "none"
+            and zero.get("compute_grad_norm", True) and "check_grad_overflow" not in ds[bf16_key]):
+        # CoatAdamW skips a step with a non-finite global norm itself (_skip_overflowed_steps),
+        # without the host sync and per-tensor kernels of DeepSpeed's check.
+        ds[bf16_key] = {**ds[bf16_key], "check_grad_overflow": False}
     ds["zero_allow_untested_optimizer"] = True
     del ds["optimizer"]
     return ds, kwargs
@@ -210,10 +216,26 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, *, 
         _announce(comm_op_build_note())
     result = deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                                   config=ds_config, **kwargs)
+    _skip_overflowed_steps(result[0])
     if coat_kwargs is not None:
         # Every rank prints: partitions differ (the last rank holds the padding).
         print(state_memory_report(result[0]).describe(), flush=True)
     return result
+
+
+def _skip_overflowed_steps(engine) -> None:
+    """With DeepSpeed's overflow check off, CoatAdamW skips a step whose global gradient norm
+    is not finite, as DeepSpeed's check would have, but on the device: the check reads a flag
+    back from the GPU in every step (and runs several kernels per gradient tensor), which
+    leaves the GPU idle while the host catches up."""
+    opt = coat_optimizer(engine)
+    norm = None if opt is None else unchecked_overflow_norm(engine.optimizer)
+    if norm is None:
+        return
+    opt.skip_steps_by_global_norm(norm)
+    if engine.global_rank == 0:
+        print("coat_ds: CoatAdamW skips a step whose global gradient norm is not finite, without a host sync, in "
+              "place of DeepSpeed's overflow check (bf16.check_grad_overflow: true keeps DeepSpeed's)", flush=True)
 
 
 def _announce(line: str | None) -> None:
