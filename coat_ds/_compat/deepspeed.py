@@ -238,7 +238,7 @@ def unchecked_overflow_norm(zopt):
     (`"bf16": {"check_grad_overflow": false}`), a callable giving the global gradient norm its
     step computed (`_global_grad_norm`: a device tensor, the same on every rank, inf where a
     gradient or the norm itself was not finite), for CoatAdamW to skip such a step itself.
-    None where DeepSpeed checks, or is not ZeRO-1/2 (ZeRO-3 always checks), or computes no
+    None where DeepSpeed checks, or is not ZeRO-1/2 (ZeRO-3 skips on its norm itself), or computes no
     norm (`zero_optimization.compute_grad_norm: false`, or a version without these
     attributes: the fallback, with a warning, is no whole-step skip)."""
     if (getattr(zopt, "check_grad_overflow", True) or getattr(zopt, "dtype", None) != torch.bfloat16
