@@ -26,7 +26,7 @@ from .._compat.deepspeed import known_config_words
 from ..optim.coat_adamw import CoatAdamW
 from .checks import ConfigError, boolean, integer, number
 
-__all__ = ["load_ds_config", "precision", "gradient_clipping", "batch_sizes", "batch_keys", "zero_stage",
+__all__ = ["load_ds_config", "bf16_key", "precision", "gradient_clipping", "batch_sizes", "batch_keys", "zero_stage",
            "check_keys", "OPTIMIZERS", "OPTIMIZER_ARGUMENTS", "DEEPSPEED_ONLY_ADAM_KEYS", "optimizer_section"]
 
 # DeepSpeed's default when the key is absent (deepspeed/runtime/constants.py): clip at 1.0.
@@ -92,13 +92,18 @@ def _section(ds: dict, key: str, where: str) -> dict:
     return value
 
 
+def bf16_key(ds: dict) -> str:
+    """The key that holds BF16's section: like DeepSpeed, `bfloat16` when `bf16` is absent."""
+    return "bf16" if ds.get("bf16") is not None or "bfloat16" not in ds else "bfloat16"
+
+
 def precision(ds: dict, where: str = "") -> tuple[bool, bool]:
-    """(bf16, fp16) enabled. Like DeepSpeed, `bfloat16` is read when `bf16` is absent."""
-    bf16_key = "bf16" if ds.get("bf16") is not None or "bfloat16" not in ds else "bfloat16"
-    bf16 = boolean(f"{bf16_key}.enabled", _section(ds, bf16_key, where).get("enabled", False), where)
+    """(bf16, fp16) enabled."""
+    key = bf16_key(ds)
+    bf16 = boolean(f"{key}.enabled", _section(ds, key, where).get("enabled", False), where)
     fp16 = boolean("fp16.enabled", _section(ds, "fp16", where).get("enabled", False), where)
     if bf16 and fp16:
-        raise ConfigError(f"{bf16_key}.enabled and fp16.enabled", (bf16, fp16), "at most one of them true", where)
+        raise ConfigError(f"{key}.enabled and fp16.enabled", (bf16, fp16), "at most one of them true", where)
     return bf16, fp16
 
 

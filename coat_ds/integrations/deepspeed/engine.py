@@ -28,7 +28,7 @@ import torch
 
 from ..._compat.deepspeed import comm_op_build, fp32_partitions, unchecked_overflow_norm
 from ...config import OptimStateConfig
-from ...config.ds_json import OPTIMIZER_ARGUMENTS, batch_keys, load_ds_config, optimizer_section, precision
+from ...config.ds_json import OPTIMIZER_ARGUMENTS, batch_keys, bf16_key, load_ds_config, optimizer_section, precision
 from ...optim import CoatAdamW
 from ...optim import state as st
 from ...config.shipped import find_ds_config
@@ -92,12 +92,12 @@ def prepare_config(config) -> tuple[dict, dict | None]:
                              "optimizer.params.backend must be 'auto' or 'torch', not 'triton'")
         # Otherwise DeepSpeed insists on its own DeepSpeedCPUAdam for offloaded states.
         ds["zero_force_ds_cpu_optimizer"] = False
-    bf16_key = "bf16" if ds.get("bf16") is not None or "bfloat16" not in ds else "bfloat16"
+    bf16 = bf16_key(ds)
     if (precision(ds, where)[0] and zero.get("stage", 0) in (1, 2) and offload == "none"
-            and zero.get("compute_grad_norm", True) and "check_grad_overflow" not in ds[bf16_key]):
+            and zero.get("compute_grad_norm", True) and "check_grad_overflow" not in ds[bf16]):
         # CoatAdamW skips a step with a non-finite global norm itself (_skip_overflowed_steps),
         # without the host sync and per-tensor kernels of DeepSpeed's check.
-        ds[bf16_key] = {**ds[bf16_key], "check_grad_overflow": False}
+        ds[bf16] = {**ds[bf16], "check_grad_overflow": False}
     ds["zero_allow_untested_optimizer"] = True
     del ds["optimizer"]
     return ds, kwargs
