@@ -359,16 +359,18 @@ def gaps(path: str, top: int, min_us: float = 5.0) -> list[str]:
     starts = {t: [o[0] for o in sorted(v)] for t, v in ops.items()}
     ops = {t: sorted(v) for t, v in ops.items()}
 
-    def where(launch) -> str:
+    def where(launch, at=None) -> str:
+        """The ops enclosing `launch`, or what its thread was running at time `at`."""
         if launch is None:
             return "(launch not traced)"
-        tid, ts = launch["tid"], launch["ts"]
+        tid, ts = launch["tid"], launch["ts"] if at is None else at
         i = bisect.bisect_right(starts.get(tid, []), ts)
         stack = [n for s, e, n in ops.get(tid, [])[max(0, i - 400):i] if e >= ts]
         keep = [n for n in stack if not n.startswith(("aten::", "cuda", "<built-in"))] or stack
         return " > ".join(n[:70] for n in keep[-2:]) or "(no enclosing op)"
 
     by_cat, idle, end, holes = collections.Counter(), 0.0, gpu[0][0], collections.Counter()
+    busy = collections.Counter()  # what the launching thread ran when the GPU went idle
     by_name, calls = collections.Counter(), collections.Counter()
     for start, stop, name, corr in gpu:
         by_cat[category(name)] += stop - start
@@ -378,6 +380,7 @@ def gaps(path: str, top: int, min_us: float = 5.0) -> list[str]:
             idle += start - end
             if start - end >= min_us:
                 holes[where(launches.get(corr)), name[:60]] += start - end
+                busy[where(launches.get(corr), at=end)] += start - end
         end = max(end, stop)
     lines = ["| category | ms |", "|---|---|"] + [f"| {c} | {us / 1e3:.1f} |" for c, us in by_cat.most_common()]
     lines += [f"| sum | {sum(by_cat.values()) / 1e3:.1f} |", "", "| kernel | category | calls | ms |", "|---|---|---|---|"]
@@ -385,7 +388,10 @@ def gaps(path: str, top: int, min_us: float = 5.0) -> list[str]:
     lines += ["",
               f"GPU span {(end - gpu[0][0]) / 1e3:.1f} ms, idle {idle / 1e3:.1f} ms; gaps >= {min_us:g} us by launching op:",
               "| idle ms | launched from | next kernel |", "|---|---|---|"]
-    return lines + [f"| {us / 1e3:.2f} | {w} | {n} |" for (w, n), us in holes.most_common(top)]
+    lines += [f"| {us / 1e3:.2f} | {w} | {n} |" for (w, n), us in holes.most_common(top)]
+    lines += ["", "The same gaps by what the launching thread was running as the GPU went idle:",
+              "| idle ms | host in |", "|---|---|"]
+    return lines + [f"| {us / 1e3:.2f} | {w} |" for w, us in busy.most_common(top)]
 
 
 def category(name: str) -> str:

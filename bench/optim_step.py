@@ -1,6 +1,6 @@
 """Optimizer step: CoatAdamW against torch AdamW and the 8-bit peers, on the GPU and on the host.
 
-    python bench/optim_step.py [--numel 1.345e9] [--iters 30] [--portable] [--peers] [--sweep]
+    python bench/optim_step.py [--numel 1.345e9] [--iters 30] [--portable] [--peers] [--sweep] [--list-7b]
     python bench/optim_step.py --tree .oldwt --iters 30          # same-call A/B with another checkout
     python bench/optim_step.py --host [--numel 8388608] [--iters 7] [--fallback] [--whole] [--no-ds]
     python bench/optim_step.py --stub-launch [--profile]          # CPU: host bookkeeping, launch stubbed
@@ -89,18 +89,26 @@ def gpu_case(case: str, shapes, name: str, iters: int) -> dict:
     return {"case": case, "optimizer": name, "numel": numel, "ms": ms, "state_bytes_per_param": state / numel}
 
 
+def cases(args) -> list[tuple[str, list[tuple[int, ...]]]]:
+    out = [("flat", [(int(args.numel),)]), ("llama-1.3B list", llama_shapes())]
+    if args.list_7b:  # bench/fp8_linear.py --shape 7b's parameters
+        out.append(("llama-7B x 6 list", llama_shapes(hidden=4096, layers=6, ffn=11008)))
+    return out
+
+
 def run_gpu(args) -> dict:
     from coat_ds.kernels import adamw
 
-    if args.sweep:  # launch shapes (groups per program, warps) on the flat case
+    if args.sweep:  # launch shapes (groups per program, warps) on every case
         default = adamw.STEP_BLOCK_GROUPS, adamw.STEP_WARPS
-        for shape in [(8, 4), (16, 4), (16, 8), (32, 8)]:
-            adamw.STEP_BLOCK_GROUPS, adamw.STEP_WARPS = shape
-            print(f"sweep groups/program, warps = {shape}: {gpu_case('flat', [(int(args.numel),)], 'coat', args.iters)['ms']:.2f} ms")
+        for case, shapes in cases(args):
+            for shape in [(4, 2), (8, 2), (8, 4), (16, 4), (16, 8), (32, 4), (32, 8), (64, 8), (64, 16)]:
+                adamw.STEP_BLOCK_GROUPS, adamw.STEP_WARPS = shape
+                print(f"sweep {case}, groups/program, warps = {shape}: {gpu_case(case, shapes, 'coat', args.iters)['ms']:.2f} ms",
+                      flush=True)
         adamw.STEP_BLOCK_GROUPS, adamw.STEP_WARPS = default
     names = ("torch_fused", "coat") + (("coat_portable",) if args.portable else ()) + (PEERS if args.peers else ())
-    rows = [gpu_case(case, shapes, name, args.iters) for case, shapes in
-            (("flat", [(int(args.numel),)]), ("llama-1.3B list", llama_shapes())) for name in names]
+    rows = [gpu_case(case, shapes, name, args.iters) for case, shapes in cases(args) for name in names]
     return {"device": torch.cuda.get_device_name(), "copy_tbs": C.copy_tbs(), "rows": rows}
 
 
@@ -358,7 +366,8 @@ def main(argv=None) -> None:
     mode.add_argument("--loop", action="store_true", help="the step inside the 350m preset's training loop")
     ap.add_argument("--numel", type=float, default=None, help="flat case's elements (GPU 1.345e9, --host 8388608)")
     ap.add_argument("--iters", type=int, default=None, help="timed steps (GPU 20, --host 7, --stub-launch 200)")
-    ap.add_argument("--sweep", action="store_true", help="GPU: time launch shapes on the flat case first")
+    ap.add_argument("--sweep", action="store_true", help="GPU: time launch shapes on every case first")
+    ap.add_argument("--list-7b", action="store_true", help="GPU: also a list of 6 Llama-7B layers, embedding and head")
     ap.add_argument("--portable", action="store_true", help="GPU: also CoatAdamW with the portable FP8 coding")
     ap.add_argument("--peers", action="store_true", help=f"GPU: also {', '.join(PEERS)}")
     ap.add_argument("--fallback", action="store_true", help="--host: also the chunked reference (no C++ kernel)")
