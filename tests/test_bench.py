@@ -131,7 +131,8 @@ def test_gaps_puts_idle_time_on_the_launching_op(tmp_path):
     def op(name, ts, dur, cat="cpu_op", **args):
         return {"ph": "X", "name": name, "ts": ts, "dur": dur, "cat": cat, "tid": 1, "args": args}
 
-    events = [op("nvjet_sm90_qqtst_gemm", 0, 10, "kernel", correlation=1), op("my_host_work", 5, 40),
+    events = [op("nvjet_sm90_qqtst_gemm", 0, 10, "kernel", correlation=1), op("early_work", 5, 25),
+              op("my_host_work", 30, 15),
               op("cudaLaunchKernel", 40, 2, "cuda_runtime", correlation=2),
               op("triton_poi_fused_0", 50, 5, "kernel", correlation=2)]
     path = tmp_path / "t.json.gz"
@@ -141,4 +142,6 @@ def test_gaps_puts_idle_time_on_the_launching_op(tmp_path):
     assert "| GEMM, FP8 | 0.0 |" in lines and "| Inductor kernels | 0.0 |" in lines
     assert lines.index("| nvjet_sm90_qqtst_gemm | GEMM, FP8 | 1 | 0.01 |") < lines.index(
         "| triton_poi_fused_0 | Inductor kernels | 1 | 0.01 |")
-    assert lines[-1] == "| 0.04 | my_host_work | triton_poi_fused_0 |"
+    assert "| 0.04 | my_host_work | triton_poi_fused_0 |" in lines
+    # The GPU went idle at 10 us, while the host still ran early_work (5-30 us).
+    assert lines[-1] == "| 0.04 | early_work |"
