@@ -112,18 +112,23 @@ def build(shape: str, side: str, seq: int, compiled: bool, backend: str | None =
     return model, opt
 
 
+def train_step(model, opt, ids) -> torch.Tensor:
+    """One BF16-autocast training step on `ids` as inputs and labels; its loss, detached."""
+    with torch.autocast(C.device().type, dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
 def run_side(args, shape: str, side: str) -> dict:
     model, opt = build(shape, side, args.seq, not args.eager)
     ids = torch.randint(0, model.config.vocab_size, (args.bs, args.seq), device=C.device())
     losses = []
 
     def step():
-        with torch.autocast(C.device().type, dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
+        losses.append(train_step(model, opt, ids))
 
     ms = C.median_ms(step, args.steps)
     out = {"shape": shape, "side": side, "bs": args.bs, "seq": args.seq, "ms": ms, "peak_gb": C.peak_gb(),

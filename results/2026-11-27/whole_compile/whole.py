@@ -23,11 +23,7 @@ ids = torch.randint(0, model.config.vocab_size, (8, 2048), device=C.device())
 
 
 def step():
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    F.train_step(model, opt, ids)
 
 
 ms = C.median_ms(step, 8)
