@@ -1,3 +1,5 @@
+import ast
+import functools
 import hashlib
 import multiprocessing.process
 import os
@@ -31,8 +33,65 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# setup.cfg runs the suite in pytest-xdist workers (`-n auto`): as many as the hook below says.
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _XDIST_WORKERS and not torch.cuda.is_available():
+    # The workers share the cores: each one's intra-op threads get its share of them (on 2
+    # cores one thread each), as two processes of 2 threads on 2 cores only contend.
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _XDIST_WORKERS))
 
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (setup.cfg): 2 workers on a CPU machine (its multi-process tests and the Triton
+    interpreter leave much of a second core idle otherwise); on a GPU machine none, one process
+    as before, since the tests share the GPU and some measure its memory."""
+    if torch.cuda.is_available():
+        return 0
+    return min(2, len(os.sched_getaffinity(0)))
+
+
+@functools.lru_cache(maxsize=None)
+def _has_module_fixture(path: str) -> bool:
+    """The test file at `path` defines a fixture wider than a test (`scope="module"`, say)."""
+    try:
+        tree = ast.parse(pathlib.Path(path).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "fixture":
+            for kw in node.keywords:
+                if kw.arg == "scope" and not (isinstance(kw.value, ast.Constant) and kw.value.value == "function"):
+                    return True
+    return False
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist load` (what `-n` runs) with one change: a file that defines a module-scoped
+    fixture (a multi-rank run that several of its tests check, say) is one unit of work, run by
+    one worker, which builds the fixture once; every other test is a unit of its own. (xdist's
+    `--dist loadgroup` would do this from xdist_group marks, but under pytest 9.2 it silently
+    stops grouping: pytest-xdist issue 1386.) Units are handed out in collection order, files
+    of several tests first: see pytest_collection_modifyitems."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneWorkerPerModuleFixture(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if _has_module_fixture(str(config.rootpath / path)) else nodeid
+
+    return OneWorkerPerModuleFixture(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    if _XDIST_WORKERS:
+        # The slow tests (other processes, the longest in-process ones) first, each file's in its
+        # order: the run ends on short tests, so neither worker waits long for the other.
+        items.sort(key=lambda item: "slow" not in item.keywords)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

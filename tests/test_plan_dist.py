@@ -46,6 +46,25 @@ def _losses(tmp_path, launcher: list[str], runs: dict, limit: float = 300) -> tu
     return losses, outs
 
 
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """`plain(engine)`: train.py's losses without a plan under `engine`, run once for this file's
+    tests (two of them compared with the same command, fsdp2's and zero3's, each running it)."""
+    runs = {}
+
+    def get(engine: str) -> dict:
+        if engine not in runs:
+            runs[engine] = _losses(tmp_path_factory.mktemp(f"plain_{engine}"), _launcher(engine), {"plain": ()},
+                                   400)[0]["plain"]
+        return runs[engine]
+
+    return get
+
+
+def _with_plain(plain, engine: str, losses: dict) -> dict:
+    return {"plain": plain(engine), **losses}
+
+
 def _like_plain(losses: dict, name: str) -> None:
     for step in range(1, 5):
         assert math.isfinite(losses[name][step])
@@ -54,11 +73,12 @@ def _like_plain(losses: dict, name: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["fsdp2", "zero1", "zero2", "zero3"])
-def test_mixed_plan_trains_like_no_plan(tmp_path, engine):
+def test_mixed_plan_trains_like_no_plan(tmp_path, plain, engine):
     launcher = _launcher(engine)
     plan = tmp_path / "plan.json"
     Plan((("blocks.0", "recompute"), ("blocks.1", "fp8_linear")), 8, 64).save(str(plan))
-    losses, outs = _losses(tmp_path, launcher, {"plain": (), "plan": ("--plan", str(plan))})
+    losses, outs = _losses(tmp_path, launcher, {"plan": ("--plan", str(plan))})
+    losses = _with_plain(plain, engine, losses)
     assert "blocks.0: recompute" in outs["plan"] and "blocks.1: fp8_linear" in outs["plan"]
     _like_plain(losses, "plan")
 
@@ -71,14 +91,15 @@ def _fp8_inputs(tmp_path) -> tuple[str, ...]:
 
 
 @pytest.mark.slow
-def test_recomputed_from_fp8_inputs_under_fsdp2_eager_compiled_and_in_backward(tmp_path):
+def test_recomputed_from_fp8_inputs_under_fsdp2_eager_compiled_and_in_backward(tmp_path, plain):
     """Every block recomputed from FP8 inputs under FSDP2 on 2 ranks: eagerly, with compiled
     blocks (compile_layer), and with the optimizer step in backward (the 7B fit's setting),
     each within 1% of the run without a plan."""
     launcher = _launcher("fsdp2")
     fp8 = _fp8_inputs(tmp_path)
-    runs = {"plain": (), "fp8": fp8, "compiled": (*fp8, "--compile"), "in_backward": (*fp8, "--step-in-backward")}
+    runs = {"fp8": fp8, "compiled": (*fp8, "--compile"), "in_backward": (*fp8, "--step-in-backward")}
     losses, outs = _losses(tmp_path, launcher, runs, limit=400)
+    losses = _with_plain(plain, "fsdp2", losses)
     for name in ("fp8", "compiled", "in_backward"):
         assert "recompute_input_fp8: true" in outs[name] and "blocks.1: recompute" in outs[name]
         _like_plain(losses, name)
@@ -87,10 +108,11 @@ def test_recomputed_from_fp8_inputs_under_fsdp2_eager_compiled_and_in_backward(t
 
 
 @pytest.mark.slow
-def test_recomputed_from_fp8_inputs_under_zero3(tmp_path):
+def test_recomputed_from_fp8_inputs_under_zero3(tmp_path, plain):
     """ZeRO-3 gathers each block's weights again for the recomputation: from FP8 inputs too,
     4 steps within 1% of the run without a plan on 2 ranks."""
-    losses, outs = _losses(tmp_path, _launcher("zero3"), {"plain": (), "fp8": _fp8_inputs(tmp_path)})
+    losses, outs = _losses(tmp_path, _launcher("zero3"), {"fp8": _fp8_inputs(tmp_path)})
+    losses = _with_plain(plain, "zero3", losses)
     assert "recompute_input_fp8: true" in outs["fp8"]
     _like_plain(losses, "fp8")
     assert losses["fp8"][1] == losses["plain"][1]
