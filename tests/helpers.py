@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -62,8 +63,40 @@ def moments_like(shape, seed: int, device="cpu"):
     return m.to(device), v.to(device)
 
 
+def _worker_ports() -> range | None:
+    """Under pytest-xdist, this worker's share of the 12,000 ports just below the kernel's
+    ephemeral ones: ports that no other worker's free_port and no connection's local port
+    (the kernel takes those from the ephemeral range: gloo's, a launcher's) can take
+    between free_port and the launcher binding it. None outside xdist or where that range
+    is unusual."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral = int(f.read().split()[0])
+        index, count = int(worker.removeprefix("gw")), int(count)
+    except (OSError, ValueError, TypeError, IndexError):
+        return None
+    if ephemeral < 12_000 + 1024 or not 0 <= index < count:
+        return None
+    share = 12_000 // count
+    start = ephemeral - 12_000 + index * share
+    return range(start, start + share)
+
+
 def free_port() -> int:
-    """A free local TCP port: other suites may launch torchrun at the same time."""
+    """A free local TCP port: other suites may launch torchrun at the same time, and under
+    pytest-xdist another worker may be launching one now (see _worker_ports)."""
+    ports = _worker_ports()
+    if ports is not None:
+        pick = random.SystemRandom()
+        for _ in range(200):
+            port = pick.choice(ports)
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
