@@ -85,7 +85,9 @@ def _worker_ports() -> range | None:
 
 def free_port() -> int:
     """A free local TCP port: other suites may launch torchrun at the same time, and under
-    pytest-xdist another worker may be launching one now (see _worker_ports)."""
+    pytest-xdist another worker may be launching one now (see _worker_ports). Free on every
+    address, as the launchers' stores bind it: a port held on one other address (127.0.0.2, a
+    NIC's) binds on 127.0.0.1 but not on theirs."""
     ports = _worker_ports()
     if ports is not None:
         pick = random.SystemRandom()
@@ -93,12 +95,12 @@ def free_port() -> int:
             port = pick.choice(ports)
             with socket.socket() as sock:
                 try:
-                    sock.bind(("127.0.0.1", port))
+                    sock.bind(("", port))
                 except OSError:
                     continue
                 return port
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind(("", 0))
         return sock.getsockname()[1]
 
 
