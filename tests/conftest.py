@@ -72,8 +72,8 @@ def pytest_xdist_make_scheduler(config, log):
     fixture (a multi-rank run that several of its tests check, say) is one unit of work, run by
     one worker, which builds the fixture once; every other test is a unit of its own. (xdist's
     `--dist loadgroup` would do this from xdist_group marks, but under pytest 9.2 it silently
-    stops grouping: pytest-xdist issue 1386.) Units are handed out in collection order, files
-    of several tests first: see pytest_collection_modifyitems."""
+    stops grouping: pytest-xdist issue 1386.) Units are handed out in collection order, the slow
+    tests first: see pytest_collection_modifyitems."""
     if config.getvalue("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling

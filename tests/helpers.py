@@ -12,6 +12,8 @@ import time
 
 import torch
 
+from coat_ds.integrations.deepspeed.engine import free_port as any_free_port
+
 
 def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
     ref, approx = ref.double(), approx.double()
@@ -99,9 +101,7 @@ def free_port() -> int:
                 except OSError:
                     continue
                 return port
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
+    return any_free_port()
 
 
 def end_worker() -> None:

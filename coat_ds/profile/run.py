@@ -4,7 +4,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..integrations.deepspeed.engine import free_port
 from ..models.llama import PRESETS, model_config
 from .trainee import build_trainee, load_side
 from .measure import SideMeasurement, measure_side, train_step, unless_oom
@@ -42,18 +42,12 @@ def resolve_model(spec: str, seq_len: int | None, vocab_size: int = 256):
     return name, model_config(name, vocab_size=vocab_size, max_seq_len=max(seq, PRESETS[name]["max_seq_len"])), seq
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _init_distributed(engine: str) -> None:
     if engine == "none" or (dist.is_available() and dist.is_initialized()):
         return
     if "RANK" not in os.environ:  # started without a launcher: a group of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+                          MASTER_PORT=str(free_port()))
     if engine == "deepspeed":
         import deepspeed
 
@@ -260,7 +254,7 @@ def _side_command(opts: ProfileOptions, side: str, out: str) -> list[str]:
     if opts.engine == "none":
         return [sys.executable, *args]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(opts.nproc),
-            "--master_port", str(_free_port()), *args]
+            "--master_port", str(free_port()), *args]
 
 
 def _profile_isolated(opts: ProfileOptions) -> dict:

@@ -42,6 +42,7 @@ __all__ = [
     "LAUNCH_VARS",
     "LAUNCH_HINT",
     "single_process_world",
+    "free_port",
     "comm_op_build_note",
     "coat_optimizer",
     "local_partitions",
@@ -118,9 +119,11 @@ LAUNCH_HINT = ("start it with `deepspeed script.py` (CPU: `DS_ACCELERATOR=cpu de
                "script.py`) or `torchrun --nproc_per_node N script.py`")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A local TCP port free on every address, as torch.distributed's store binds it: one held
+    on another address (127.0.0.2, a NIC's) would bind on 127.0.0.1 alone and then fail there."""
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind(("", 0))
         return sock.getsockname()[1]
 
 
@@ -158,7 +161,7 @@ def single_process_world(mpi: bool = True) -> str | None:
                                f"with, is not installed: `pip install mpi4py`, or {LAUNCH_HINT}")
         return None
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
     return (f"no launcher: running as one process, a world of one (RANK=0 WORLD_SIZE=1 MASTER_ADDR="
             f"{os.environ['MASTER_ADDR']} MASTER_PORT={os.environ['MASTER_PORT']}, as torchrun --nproc_per_node 1 "
