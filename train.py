@@ -35,15 +35,16 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from coat_ds import Fp8LinearConfig, compress_activations, convert_to_fp8_linear, fuse_lm_head_loss
+from coat_ds import Fp8LinearConfig, compress_activations, convert_to_fp8_linear, fuse_lm_head_loss, prepare
 from coat_ds.io.checkpoint_folders import check_new_checkpoints
 from coat_ds.train.data import DataConfig, TokenData, batch_seed, load_data
 from coat_ds.config.ds_json import gradient_clipping, load_ds_config
 from coat_ds.integrations.engine_setup import clipping_off_note, read_ds_settings, shutdown_distributed
 from coat_ds.integrations.deepspeed.engine import comm_op_build_note, single_process_world
+from coat_ds.integrations.deepspeed.zero3 import compile_zero3_layers
 from coat_ds.train.metrics import MetricsLog
 from coat_ds.models.llama import Llama, model_config
-from coat_ds.train.config import TrainConfig, checkpoint_plan, parse_config
+from coat_ds.train.config import TrainConfig, checkpoint_plan, parse_config, recipe_step_in_backward_refusal
 from coat_ds.optim import nonfinite_groups
 from coat_ds.plan import apply_plan, compile_layer
 from coat_ds.plan.training import plan_for_run, run_apply_config
@@ -271,9 +272,13 @@ def first_step_note(cfg: TrainConfig, runner: Runner) -> str:
 
 
 def step_in_backward_note(cfg: TrainConfig) -> str | None:
-    """The log line saying that CoatAdamW steps in backward and how it clips, else None."""
+    """The log line saying that CoatAdamW steps in backward and how it clips, or why recipe
+    max_memory's step in backward does not apply, else None."""
     if not cfg.step_in_backward:
-        return None
+        if cfg.recipe != "max_memory":
+            return None
+        why = recipe_step_in_backward_refusal(cfg, read_ds_settings(cfg.deepspeed, 1, engine=cfg.engine))
+        return f"step in backward: OFF although recipe max_memory asks for it: {why}"
     clip = gradient_clipping(load_ds_config(cfg.deepspeed))
     if clip:
         return (f"step in backward: ON with gradient_clipping {clip:g}: each FP32 gradient is freed as soon as FSDP2 "
@@ -334,13 +339,19 @@ def train(cfg: TrainConfig) -> None:
     with torch.device(train_device()):
         model = Llama(mcfg)
     say(f"data: {data.description}\nmodel: {cfg.preset}, {mcfg.num_params() / 1e6:.2f}M params", flush=True)
-    if cfg.fused_head_loss:
-        fuse_lm_head_loss(model)  # the loss from chunks of the head's logits (the head stays nn.Linear)
-    # Hooks on the unsharded modules, before either engine wraps them; the handle counts bytes.
-    if cfg.fp8_linear:
-        # Before the hooks and the engine: they see the converted modules.
-        convert_to_fp8_linear(model, config=Fp8LinearConfig(keep_weight_codes=cfg.fp8_keep_weight_codes))
-    activations = compress_activations(model) if cfg.compress_activations else None
+    fp8_config = Fp8LinearConfig(keep_weight_codes=cfg.fp8_keep_weight_codes)
+    # Model edits on the unsharded modules, before either engine wraps them; the handle counts bytes.
+    if cfg.recipe:
+        report = prepare(model, cfg.recipe, fp8_linear=fp8_config)
+        say(str(report), flush=True)
+        activations = report.activations
+    else:
+        if cfg.fused_head_loss:
+            fuse_lm_head_loss(model)  # the loss from chunks of the head's logits
+        if cfg.fp8_linear:
+            # Before the hooks and the engine: they see the converted modules.
+            convert_to_fp8_linear(model, config=fp8_config)
+        activations = compress_activations(model) if cfg.compress_activations else None
     if cfg.plan or cfg.memory_budget_gb:
         # Per block: keep, FP8-compress, FP8 linears or recompute; a budget is planned here, on rank 0.
         plan = plan_for_run(cfg, model, read_ds_settings(cfg.deepspeed, world, engine=cfg.engine),
@@ -353,8 +364,12 @@ def train(cfg: TrainConfig) -> None:
     if cfg.compile:
         # Block by block, in place and before the engine wraps them (as torchtitan does):
         # the engines' hooks stay outside the graphs, and one graph serves every block.
-        for block in model.blocks:
-            compile_layer(block)
+        # ZeRO-3 hooks every submodule: its blocks become leaves, their forwards compiled.
+        if cfg.engine == "deepspeed" and read_ds_settings(cfg.deepspeed, world, engine=cfg.engine).zero_stage == 3:
+            compile_zero3_layers(model)
+        else:
+            for block in model.blocks:
+                compile_layer(block)
 
     say(f"setting up the {cfg.engine} engine with {cfg.deepspeed}", flush=True)
     runner = ENGINES[cfg.engine](cfg, model)

@@ -1,12 +1,13 @@
 """coat_ds: memory-efficient FP8 training (COAT) for DeepSpeed and PyTorch FSDP."""
 from .activation import ActivationStats, activation_stats, compress_activations
-from .config import ActivationConfig, AdamWHyperparams, Fp8LinearConfig, OptimStateConfig
+from .config import ActivationConfig, AdamWHyperparams, Fp8LinearConfig, OptimStateConfig, RecipeConfig
 from .integrations import fsdp
 from .integrations.fsdp import FsdpConfig, setup_fsdp
 from .linear import Fp8Linear, convert_to_fp8_linear, fuse_rms_norms, fuse_swiglu
 from .loss import fuse_lm_head_loss
 from .optim import CoatAdamW
 from .plan import ApplyConfig, Plan, apply_plan, load_plan
+from .recipes import PrepareReport, prepare
 
 
 def register_deepspeed() -> None:
@@ -35,7 +36,7 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | {"deepspeed_initialize"})
 
 
-__all__ = ["CoatAdamW", "OptimStateConfig", "AdamWHyperparams",
+__all__ = ["prepare", "RecipeConfig", "PrepareReport", "CoatAdamW", "OptimStateConfig", "AdamWHyperparams",
            "compress_activations", "ActivationConfig", "ActivationStats", "activation_stats",
            "convert_to_fp8_linear", "Fp8Linear", "Fp8LinearConfig", "fuse_rms_norms", "fuse_swiglu",
            "fuse_lm_head_loss",

@@ -18,7 +18,7 @@ from . import warn_once
 
 __all__ = [
     "VERSION", "swap_functorch_options", "has_functorch_option", "set_activation_memory_budget",
-    "activation_memory_budget", "raise_recompile_limit", "current_graph_task_id", "top_saved_tensors_hooks",
+    "activation_memory_budget", "raise_recompile_limit", "current_graph_task_id", "top_saved_tensors_hooks", "inside_checkpoint",
     "TRACED_TENSOR_TYPES", "autograd_node_classes", "flex_attention_backward_node", "detach_unseen",
     "HAS_SAVED_TENSOR_HOOK_CONTEXT", "saved_tensor_hook_context", "static_input_indices", "force_stride_order",
     "HAS_SCALED_MM", "scaled_mm", "queue_backward_callback", "custom_op_function",
@@ -165,6 +165,13 @@ def top_saved_tensors_hooks():
               "non-reentrant checkpoint around its regions and stores FP8 copies inside it (memory only)")
         return None
     return _top_hooks(False)
+
+
+def inside_checkpoint() -> bool:
+    """Whether a non-reentrant torch.utils.checkpoint's hooks are on top of the saved-tensors
+    hooks stack (its forward or its recomputation runs)."""
+    top = top_saved_tensors_hooks()
+    return top is not None and getattr(top[0], "__module__", "") == "torch.utils.checkpoint"
 
 
 def _traced_tensor_types() -> tuple:

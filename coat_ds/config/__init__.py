@@ -2,11 +2,11 @@
 class docstring's "Attributes:" section (what help() shows)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from ..kernels.fp8 import get_format
 
-__all__ = ["OptimStateConfig", "AdamWHyperparams", "ActivationConfig", "Fp8LinearConfig"]
+__all__ = ["OptimStateConfig", "AdamWHyperparams", "ActivationConfig", "Fp8LinearConfig", "RecipeConfig", "RECIPES"]
 
 _BACKENDS = ("auto", "triton", "torch")
 _NONFINITE = ("skip", "raise")
@@ -184,3 +184,69 @@ class Fp8LinearConfig:
         if self.backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {self.backend!r}")
         _size_or_none("eager_min_macs", self.eager_min_macs)
+
+
+RECIPES = ("speed", "memory", "max_memory")
+
+
+@dataclass(frozen=True)
+class RecipeConfig:
+    """What `coat_ds.prepare` applies to a model; `RecipeConfig.named(recipe, **overrides)`
+    gives a named recipe's, with any field overridden.
+
+    Attributes:
+        fp8_linear: FP8 GEMMs in the linear layers, the LM head excepted (None: off)
+        fuse_norms: RMSNorm modules in one fused kernel each way (an eager speed-up; compiled, their own code runs)
+        fuse_swiglu: SwiGLU MLPs' silu(gate) * up in one fused kernel each way (eager, as fuse_norms)
+        head_loss: the LM head's loss in chunks of tokens, never the full logits (fuse_lm_head_loss)
+        head_loss_chunk_tokens: tokens per chunk of the head loss; None: about 256 MiB of logits
+        compress_activations: saved activations kept in FP8 with this config (None: off)
+        recompute: every decoder layer recomputed in backward, its input kept until then as FP8 codes
+        step_in_backward: the optimizer options the report suggests include CoatAdamW's step_in_backward
+            (FSDP2: each parameter stepped, and its gradient freed, as soon as backward has it)
+    """
+
+    fp8_linear: Fp8LinearConfig | None = None
+    fuse_norms: bool = False
+    fuse_swiglu: bool = False
+    head_loss: bool = False
+    head_loss_chunk_tokens: int | None = None
+    compress_activations: ActivationConfig | None = None
+    recompute: bool = False
+    step_in_backward: bool = False
+
+    def __post_init__(self):
+        for name, cls in (("fp8_linear", Fp8LinearConfig), ("compress_activations", ActivationConfig)):
+            value = getattr(self, name)
+            if value is True:
+                object.__setattr__(self, name, cls())
+            elif value is False:
+                object.__setattr__(self, name, None)
+            elif value is not None and not isinstance(value, cls):
+                raise TypeError(f"{name} must be a bool, None or a {cls.__name__}, got {value!r}")
+        for name in ("fuse_norms", "fuse_swiglu", "head_loss", "recompute", "step_in_backward"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        chunk = self.head_loss_chunk_tokens
+        if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
+            raise ValueError(f"head_loss_chunk_tokens must be None or an int >= 1, got {chunk!r}")
+
+    @classmethod
+    def named(cls, recipe: str, **overrides) -> "RecipeConfig":
+        """The recipe `recipe` ("speed", "memory" or "max_memory"), then `overrides` by field name.
+
+        speed: FP8 linears, fused norms and SwiGLU, the fused head loss.
+        memory: speed + FP8 saved activations.
+        max_memory: memory + decoder layers recomputed from FP8 inputs + step in backward."""
+        if recipe not in RECIPES:
+            raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(overrides) - set(names))
+        if unknown:
+            raise TypeError(f"unknown recipe setting(s) {unknown}; valid: {', '.join(names)}")
+        values = dict(fp8_linear=Fp8LinearConfig(), fuse_norms=True, fuse_swiglu=True, head_loss=True)
+        if recipe != "speed":
+            values["compress_activations"] = ActivationConfig()
+        if recipe == "max_memory":
+            values.update(recompute=True, step_in_backward=True)
+        return cls(**{**values, **overrides})

@@ -104,9 +104,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
                                            None if bias is None else bias.to(out_dtype))
         ctx.save_for_backward(xq_t, ex, wq_t if keep_w else weight, ew)
         # Eagerly the scales go to backward as they are (four bytes each, not through the
-        # saved-tensor hooks); compiled, backward makes them again from the saved exponents
-        # as it always has, and the partitioner decides.
-        ctx.scales = (sx, sw) if eager and fp8_gemm else None
+        # saved-tensor hooks), with the exponents they were made from: a checkpoint that
+        # recomputes this forward hands backward the recomputed exponents, and the input it
+        # recomputes from may differ (kept as FP8 codes), so the scales are then made again.
+        # Compiled, backward makes them from the saved exponents as it always has, and the
+        # partitioner decides.
+        ctx.scales = (ex, sx, ew, sw) if eager and fp8_gemm else None
         ctx.keep_w, ctx.w_dtype = keep_w, weight.dtype
         ctx.fmts, ctx.fp8_gemm, ctx.backend = (f_in, f_w, f_g), fp8_gemm, backend
         ctx.m, ctx.x_dtype, ctx.x_shape, ctx.has_bias = x.shape[0], x.dtype, x_nd.shape, bias is not None
@@ -133,8 +136,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
             # read (-0.46 ms per 7B layer on an H100; docs/benchmarks.md).
             gq, gq_t, eg = quantize(gy, f_g, need_dx, need_dw, split=_MAX_SPLIT)
             sg = _pow2(eg)
-            if ctx.scales is not None:
-                sx, sw = ctx.scales
+            if ctx.scales is not None and ctx.scales[0] is ex and ctx.scales[2] is ew:
+                sx, sw = ctx.scales[1], ctx.scales[3]
             else:
                 sx, sw = (_pow2(ex) if need_dw else None), (_pow2(ew) if need_dx else None)
             if need_dx:

@@ -165,12 +165,8 @@ class Llama(nn.Module):
             x = block(x, cos, sin)
         x = self.norm(x)
         if targets is not None and self.fused_head_loss:
-            from ..loss.fuse import head_params
-            from ..loss.linear_ce import linear_cross_entropy
-
-            weight, bias = head_params(self.head, type(self).__name__)
-            return linear_cross_entropy(x, weight, targets, bias, chunk_tokens=self.head_loss_chunk_tokens,
-                                        fp8=self.head_loss_fp8)
+            # The head is fuse_lm_head_loss's LossHead: called with targets, it gives the loss.
+            return self.head(x, targets, chunk_tokens=self.head_loss_chunk_tokens, fp8=self.head_loss_fp8)
         logits = self.head(x)
         if targets is None:
             return logits

@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from .._compat.torch import detach_unseen
+from .._compat.torch import detach_unseen, inside_checkpoint
 from ..config import ActivationConfig
 from ..kernels.act_ops import get_act_ops
 from ..kernels.fp8 import get_format
@@ -83,7 +83,9 @@ class RecomputedForward:
             self._checkpoint_fp8 = torch.compiler.disable(self._checkpoint_fp8)
 
     def __call__(self, *args, **kwargs):
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or inside_checkpoint():
+            # Inside another checkpoint (Hugging Face's gradient checkpointing around the
+            # layer), that one already recomputes the layer.
             return self.inner(*args, **kwargs)
         x, key = _layer_input(args, kwargs) if self.fp8_input is not None else (None, None)
         if x is not None and not self._warned and torch.compiler.is_compiling():
@@ -129,11 +131,15 @@ def is_recomputed(layer: torch.nn.Module) -> bool:
     return isinstance(layer.__dict__.get("forward"), RecomputedForward)
 
 
-def compile_layer(layer: torch.nn.Module, **compile_kwargs) -> None:
+def compile_layer(layer: torch.nn.Module, *, forward_only: bool = False, **compile_kwargs) -> None:
     """`layer.compile(**compile_kwargs)`, except for a layer recomputed from an FP8 input, whose
-    forward inside the checkpoint is compiled instead (the checkpoint itself runs eagerly)."""
+    forward inside the checkpoint is compiled instead (the checkpoint itself runs eagerly).
+    `forward_only`: compile the layer's forward but not the hooks around its call (engines'
+    hooks that gather and release parameters then run eagerly, outside the graph)."""
     forward = layer.__dict__.get("forward")
     if isinstance(forward, RecomputedForward) and forward.fp8_input is not None:
         forward.inner = torch.compile(forward.inner, **compile_kwargs)
+    elif forward_only:
+        layer.forward = torch.compile(layer.forward, **compile_kwargs)
     else:
         layer.compile(**compile_kwargs)

@@ -18,12 +18,14 @@ from dataclasses import dataclass
 
 import yaml
 
+from ..config import RECIPES
 from ..config.checks import ConfigError, boolean, choice, integer, number, text
 from ..integrations.engine_setup import read_ds_settings
 from ..models.llama import PRESETS
 from ..config.shipped import find_ds_config, find_train_preset
 
-__all__ = ["TrainConfig", "ENGINE_NAMES", "parse_config", "build_parser", "checkpoint_plan", "field_docs"]
+__all__ = ["TrainConfig", "ENGINE_NAMES", "parse_config", "build_parser", "checkpoint_plan", "field_docs",
+           "recipe_step_in_backward_refusal"]
 
 ENGINE_NAMES = ("deepspeed", "fsdp")
 _FSDP_MODES = ("fsdp2", "fsdp1")
@@ -67,7 +69,8 @@ class TrainConfig:
     fp8_linear: bool = False  # FP8 GEMMs in the blocks' linear layers (coat_ds.convert_to_fp8_linear; head kept)
     fp8_keep_weight_codes: bool = False  # with fp8_linear: backward reads forward's FP8 weight (+1 byte per weight element held; under fsdp or ZeRO-3 every gathered layer's)
     step_in_backward: bool = False  # CoatAdamW steps each parameter in backward and frees its gradient (FSDP2 only; the JSON's optimizer.params "step_in_backward": true turns it on too)
-    fused_head_loss: bool = False  # the head's loss in chunks, never the full logits (coat_ds.fuse_lm_head_loss; not with DeepSpeed ZeRO-3)
+    fused_head_loss: bool = False  # the head's loss in chunks, never the full logits (coat_ds.fuse_lm_head_loss)
+    recipe: str = ""  # coat_ds.prepare's recipe: "speed", "memory" or "max_memory" (it sets fp8_linear, compress_activations and fused_head_loss; "": none)
     plan: str = ""  # planner's JSON: per block keep / fp8 / fp8_linear / recompute (coat_ds.apply_plan; "": none)
     memory_budget_gb: float = 0.0  # search a plan at start that fits this many GB per rank (0: none)
     recompute_input_fp8: bool = False  # the plan's recomputed blocks keep their input as FP8 codes until backward (~3.8x smaller than FP32; lossy like compressed activations)
@@ -104,8 +107,14 @@ class TrainConfig:
         boolean("fp8_keep_weight_codes", self.fp8_keep_weight_codes)
         boolean("step_in_backward", self.step_in_backward)
         boolean("fused_head_loss", self.fused_head_loss)
-        if self.fp8_keep_weight_codes and not self.fp8_linear:
-            raise ConfigError("fp8_keep_weight_codes", True, "off unless fp8_linear is on (it is an option of its layers)")
+        choice("recipe", self.recipe, ("", *RECIPES))
+        if self.recipe:
+            for key in ("fp8_linear", "compress_activations", "fused_head_loss"):
+                if getattr(self, key):
+                    raise ConfigError(key, True, f"off with recipe {self.recipe!r}, which sets it")
+        if self.fp8_keep_weight_codes and not (self.fp8_linear or self.recipe):
+            raise ConfigError("fp8_keep_weight_codes", True, "off unless fp8_linear or a recipe is on (it is an option "
+                              "of the FP8 linear layers)")
         text("plan", self.plan)
         number("memory_budget_gb", self.memory_budget_gb, lo=0.0)
         boolean("recompute_input_fp8", self.recompute_input_fp8)
@@ -114,12 +123,14 @@ class TrainConfig:
                               "it applies to the blocks a plan recomputes")
         if self.plan and self.memory_budget_gb:
             raise ConfigError("memory_budget_gb", self.memory_budget_gb, f"0 when a plan file is given ({self.plan})")
-        if (self.plan or self.memory_budget_gb) and (self.compress_activations or self.fp8_linear):
-            key = "compress_activations" if self.compress_activations else "fp8_linear"
-            raise ConfigError(key, True, "off with a plan (plan / memory_budget_gb): the plan chooses it per block")
+        if (self.plan or self.memory_budget_gb) and (self.compress_activations or self.fp8_linear or self.recipe):
+            key = "compress_activations" if self.compress_activations else "fp8_linear" if self.fp8_linear else "recipe"
+            raise ConfigError(key, getattr(self, key), "off with a plan (plan / memory_budget_gb): the plan chooses it "
+                              "per block")
 
 
-_CHOICES = {"preset": tuple(PRESETS), "bin_dtype": _BIN_DTYPES, "engine": ENGINE_NAMES, "fsdp_mode": _FSDP_MODES}
+_CHOICES = {"preset": tuple(PRESETS), "bin_dtype": _BIN_DTYPES, "engine": ENGINE_NAMES, "fsdp_mode": _FSDP_MODES,
+            "recipe": RECIPES}
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -225,15 +236,6 @@ def parse_config(argv: list[str], description: str | None = None) -> TrainConfig
         ds = read_ds_settings(cfg.deepspeed, _world_size(), engine=cfg.engine)
     except (OSError, ValueError) as e:
         raise SystemExit(f"--deepspeed: {e}") from None
-    if cfg.compile and cfg.engine == "deepspeed" and ds.zero_stage == 3:
-        # ZeRO-3 swaps each parameter between its partition and the gathered tensor: the
-        # compiled blocks recompile and break on them (3x slower than eager on CPU).
-        raise SystemExit(f"compile: not with ZeRO stage 3 under the DeepSpeed engine ({cfg.deepspeed}); "
-                         "use --fsdp (FSDP2 shards the same way) or ZeRO stage 1/2")
-    if cfg.fused_head_loss and cfg.engine == "deepspeed" and ds.zero_stage == 3:
-        # ZeRO-3 gathers the head's weight only inside the head's own call, which the fused loss skips.
-        raise SystemExit(f"{origin.get('fused_head_loss', 'settings')}: fused_head_loss is not supported with ZeRO "
-                         f"stage 3 under the DeepSpeed engine ({cfg.deepspeed}); use --fsdp (FSDP2) or ZeRO stage 1/2")
     return _resolve_step_in_backward(cfg, ds, origin.get("step_in_backward", "settings"))
 
 
@@ -242,6 +244,8 @@ def _resolve_step_in_backward(cfg: TrainConfig, ds, origin: str) -> TrainConfig:
     resolved config then shows it), refused where CoatAdamW cannot step in backward."""
     in_json = ds.optimizer_params.get("step_in_backward") is True
     if not (cfg.step_in_backward or in_json):
+        if cfg.recipe == "max_memory" and recipe_step_in_backward_refusal(cfg, ds) is None:
+            return dataclasses.replace(cfg, step_in_backward=True)
         return cfg
     where = f"{cfg.deepspeed} (optimizer.params.step_in_backward)" if in_json else origin
     if ds.optimizer_type != "CoatAdamW":
@@ -259,6 +263,17 @@ def _resolve_step_in_backward(cfg: TrainConfig, ds, origin: str) -> TrainConfig:
         raise SystemExit(f"{cfg.deepspeed}: optimizer.params.max_grad_norm: not read by train.py; its "
                          "gradient_clipping sets the clipping of both engines")
     return dataclasses.replace(cfg, step_in_backward=True)
+
+
+def recipe_step_in_backward_refusal(cfg: TrainConfig, ds) -> str | None:
+    """Why recipe max_memory's step in backward does not apply to this run, or None."""
+    if ds.optimizer_type != "CoatAdamW":
+        return f"the optimizer is {ds.optimizer_type}, not CoatAdamW"
+    if cfg.engine != "fsdp" or cfg.fsdp_mode != "fsdp2":
+        return "only FSDP2 (--fsdp) hands CoatAdamW each gradient as backward makes it"
+    if "max_grad_norm" in ds.optimizer_params:
+        return "the JSON sets optimizer.params.max_grad_norm, which train.py does not read"
+    return None
 
 
 def checkpoint_plan(cfg: TrainConfig) -> str:
