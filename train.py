@@ -38,15 +38,16 @@ import yaml
 from coat_ds import Fp8LinearConfig, compress_activations, convert_to_fp8_linear, fuse_lm_head_loss
 from coat_ds.io.checkpoint_folders import check_new_checkpoints
 from coat_ds.train.data import DataConfig, TokenData, batch_seed, load_data
-from coat_ds.config.ds_json import gradient_clipping, load_ds_config
-from coat_ds.integrations.engine_setup import clipping_off_note, read_ds_settings, shutdown_distributed
+from coat_ds.integrations.deepspeed.config import gradient_clipping, load_ds_config
+from coat_ds.integrations.process_group import shutdown_distributed
+from coat_ds.train.engine_setup import clipping_off_note, read_ds_settings
 from coat_ds.integrations.deepspeed.engine import comm_op_build_note, single_process_world
 from coat_ds.train.metrics import MetricsLog
 from coat_ds.models.llama import Llama, model_config
 from coat_ds.train.config import TrainConfig, checkpoint_plan, parse_config
 from coat_ds.optim import nonfinite_groups
 from coat_ds.plan import apply_plan, compile_layer
-from coat_ds.plan.training import plan_for_run, run_apply_config
+from coat_ds.train.planning import plan_for_run, run_apply_config
 
 
 def will_save(cfg: TrainConfig, step: int) -> bool:
@@ -92,7 +93,7 @@ def eval_loss_of(module: torch.nn.Module) -> Callable:
 
 
 def setup_deepspeed(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
-    from coat_ds.integrations.engine_setup import optimizer_state_bytes
+    from coat_ds.train.engine_setup import optimizer_state_bytes
     from coat_ds.integrations.deepspeed.engine import initialize
     from coat_ds.integrations.deepspeed.checkpoint import load_checkpoint, save_checkpoint
 
@@ -122,7 +123,7 @@ def setup_deepspeed(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
 
 def setup_fsdp_engine(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
     """FSDP2 or FSDP1 with the optimizer, batch sizes, clipping and BF16 of the DeepSpeed JSON."""
-    from coat_ds.integrations.engine_setup import build_optimizer, optimizer_state_bytes, read_ds_settings
+    from coat_ds.train.engine_setup import build_optimizer, optimizer_state_bytes, read_ds_settings
     from coat_ds.integrations.fsdp import (clip_grad_norm_, load_checkpoint_folder, resolve_checkpoint,
                                            save_checkpoint, setup_fsdp)
 

@@ -14,9 +14,8 @@ from torch import nn
 from .._compat.deepspeed import release_zero3_references
 from ..activation import compress_activations
 from ..config import ActivationConfig
-from ..config.ds_json import load_ds_config
-from ..integrations.engine_setup import optimizer_settings
-from ..integrations.deepspeed.engine import initialize, local_partitions
+from ..integrations.deepspeed.config import load_ds_config
+from ..integrations.deepspeed.engine import initialize, local_partitions, optimizer_settings
 from ..integrations.fsdp import setup_fsdp
 from ..linear import convert_to_fp8_linear
 from ..models.llama import Llama, ModelConfig

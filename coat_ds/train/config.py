@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import yaml
 
 from ..config.checks import ConfigError, boolean, choice, integer, number, text
-from ..integrations.engine_setup import read_ds_settings
+from .engine_setup import read_ds_settings
 from ..models.llama import PRESETS
 from ..config.shipped import find_ds_config, find_train_preset
 
