@@ -71,7 +71,9 @@ def check_max_grad_norm(max_grad_norm, step_in_backward: bool):
 
 
 class InBackward:
-    """The in-backward machinery of one CoatAdamW: hooks, pending bucket, clipping state."""
+    """The in-backward machinery of one CoatAdamW: hooks, pending bucket, clipping state. It
+    steps the optimizer through the two methods CoatAdamW keeps for it, `_work_with_grads()`
+    and `_step_work(work, grads, grad_scale)`, and reads its `param_groups`."""
 
     def __init__(self, optimizer, max_grad_norm: float | None):
         self.opt = optimizer
@@ -227,7 +229,7 @@ class InBackward:
         """Step `work`, (param group index, parameters) pairs, on `grads`, one list per pair
         (their .grad, DDP's reduced bucket or the held copies)."""
         with self.lock:
-            self.opt._step_selected(work, grad_scale, grads)
+            self.opt._step_work(work, grads, grad_scale)
 
     # -- DDP ----------------------------------------------------------------------------------
 
@@ -288,7 +290,7 @@ class InBackward:
         self.ddp_stepped = []
         self.in_backward = False
         self._find_deferred()  # a group's option may have been changed between steps
-        work = self.opt._params_with_grads()
+        work = self.opt._work_with_grads()
         if self.max_grad_norm is None:
             if work:
                 self._step_and_free(work)
