@@ -312,7 +312,7 @@ def write_trace(prof: torch.profiler.profile, path: str, steps: int, say: Callab
     partial = os.path.join(os.path.dirname(os.path.abspath(path)), ".partial." + os.path.basename(path))
     prof.export_chrome_trace(partial)
     os.replace(partial, path)
-    say(f"trace of {steps} step(s) written to {path} (a category table: python bench/fp8_linear.py --gaps {path})",
+    say(f"trace of {steps} step(s) written to {path} (a category table: python bench/trace_gaps.py {path})",
         flush=True)
 
 

@@ -283,7 +283,7 @@ def stub_table(res: dict) -> list[str]:
 def run_loop(args) -> dict:
     """Phases of the training step, medians: the whole step unsynchronized (even steps), then
     forward, backward, clipping and opt.step() each closed by a synchronize (odd steps)."""
-    from accuracy import lr_at
+    from _accuracy import lr_at
     from coat_ds import ActivationConfig, CoatAdamW, compress_activations
     from coat_ds.train.data import DataConfig, batch_seed, load_data
     from coat_ds.models.llama import Llama, model_config
