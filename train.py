@@ -319,9 +319,9 @@ def write_trace(prof: torch.profiler.profile, path: str, steps: int, say: Callab
 def train(cfg: TrainConfig) -> None:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     say = print if rank == 0 else (lambda *a, **k: None)
-    # At micro-batch 36 of the 7B preset on an H100 (torch 2.11), one batch's forward gave a
-    # loss of 14-20 instead of ~11 in three runs with cuDNN's SDPA, and ~11 without it; off,
-    # the 1b preset's coat run was 9% slower. PyTorch's default stays, and the log says it.
+    # cuDNN's SDPA has given a wrong forward loss at one micro-batch of the 7B preset, and
+    # turning it off slowed the 1b preset's coat run (docs/benchmarks.md). PyTorch's default
+    # stays, and the log says it.
     torch.backends.cuda.enable_cudnn_sdp(cfg.cudnn_attention)
     say(f"attention: SDPA {'may use' if cfg.cudnn_attention else 'without'} cuDNN's kernels (cudnn_attention)",
         flush=True)

@@ -1,7 +1,7 @@
 """Loss parity with torch AdamW: each variant trained from one seed, and the summary of such runs
 over seeds.
 
-    # CPU-sized (a few minutes on 2 cores), then the 304M GPU run
+    # CPU-sized, then the 304M GPU run
     OMP_NUM_THREADS=1 python bench/parity.py --preset tiny --steps 300 --batch-size 8 --seq-len 64 \\
         --device cpu --variants adamw,coat,coat_act,coat_nodre --max-data-bytes 8000000 --out docs/img/loss_parity_cpu_tiny
     python bench/parity.py --preset 350m --steps 600 --batch-size 12 --seq-len 1024 --lr 3e-4 \\

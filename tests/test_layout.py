@@ -1,4 +1,4 @@
-"""The package's layout (issue 28): no import cycle between coat_ds's modules, no module over
+"""The package's layout: no import cycle between coat_ds's modules, no module over
 400 lines, the top of coat_ds/ is its public face (`__init__.py`) and subpackages, the
 library never imports train.py's harness (coat_ds.train), and the configuration dataclasses
 (coat_ds.config) sit below everything that reads them.

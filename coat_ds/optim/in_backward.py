@@ -21,7 +21,7 @@ complete and the gradient is freed, so no FP32 gradient waits for `step()`.
   clip_grad_norm_ coefficient, min(1, max_grad_norm / (norm + 1e-6)), as the fused kernel
   reads them. That is step-then-clip on BF16-rounded gradients, bit for bit. (Clipping with
   the previous step's norm instead, which keeps the update in backward, trailed
-  step-then-clip's loss by 9% on the 350m parity run: a gradient spike is applied
+  step-then-clip's loss on the 350m parity run: a gradient spike is applied
   unclipped and its square stays in the second moment for ~1 / (1 - beta2) steps.)
 * Accumulation: inside `optimizer.accumulating()` the hooks do nothing and gradients
   accumulate as usual; the first backward outside it steps.

@@ -249,8 +249,8 @@ class DeepSpeedTrainee(Trainee):
         # ZeRO-3 pushes the model onto a module-global stack when it is set up, and
         # submodules whose forward an out-of-memory error interrupted stay on it; its
         # coordinator memoizes parameters to release per coordinator on the class. destroy()
-        # clears neither, and through them the model, its partitions and the optimizer (43 GB
-        # per rank for the 7B preset on 2 GPUs) would outlive the engine.
+        # clears neither, and through them the model, its partitions and the optimizer would
+        # outlive the engine.
         release_zero3_references(module)
 
 
