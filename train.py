@@ -38,8 +38,9 @@ import yaml
 from coat_ds import Fp8LinearConfig, compress_activations, convert_to_fp8_linear, fuse_lm_head_loss, prepare
 from coat_ds.io.checkpoint_folders import check_new_checkpoints
 from coat_ds.train.data import DataConfig, TokenData, batch_seed, load_data
-from coat_ds.config.ds_json import gradient_clipping, load_ds_config
-from coat_ds.integrations.engine_setup import clipping_off_note, read_ds_settings, shutdown_distributed
+from coat_ds.integrations.deepspeed.config import gradient_clipping, load_ds_config
+from coat_ds.integrations.process_group import shutdown_distributed
+from coat_ds.train.engine_setup import clipping_off_note, read_ds_settings
 from coat_ds.integrations.deepspeed.engine import comm_op_build_note, single_process_world
 from coat_ds.integrations.deepspeed.zero3 import compile_zero3_layers
 from coat_ds.train.metrics import MetricsLog
@@ -47,7 +48,7 @@ from coat_ds.models.llama import Llama, model_config
 from coat_ds.train.config import TrainConfig, checkpoint_plan, parse_config, recipe_step_in_backward_refusal
 from coat_ds.optim import nonfinite_groups
 from coat_ds.plan import apply_plan, compile_layer
-from coat_ds.plan.training import plan_for_run, run_apply_config
+from coat_ds.train.planning import plan_for_run, run_apply_config
 
 
 def will_save(cfg: TrainConfig, step: int) -> bool:
@@ -93,7 +94,7 @@ def eval_loss_of(module: torch.nn.Module) -> Callable:
 
 
 def setup_deepspeed(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
-    from coat_ds.integrations.engine_setup import optimizer_state_bytes
+    from coat_ds.train.engine_setup import optimizer_state_bytes
     from coat_ds.integrations.deepspeed.engine import initialize
     from coat_ds.integrations.deepspeed.checkpoint import load_checkpoint, save_checkpoint
 
@@ -123,7 +124,7 @@ def setup_deepspeed(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
 
 def setup_fsdp_engine(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
     """FSDP2 or FSDP1 with the optimizer, batch sizes, clipping and BF16 of the DeepSpeed JSON."""
-    from coat_ds.integrations.engine_setup import build_optimizer, optimizer_state_bytes, read_ds_settings
+    from coat_ds.train.engine_setup import build_optimizer, optimizer_state_bytes, read_ds_settings
     from coat_ds.integrations.fsdp import (clip_grad_norm_, load_checkpoint_folder, resolve_checkpoint,
                                            save_checkpoint, setup_fsdp)
 
@@ -316,16 +317,16 @@ def write_trace(prof: torch.profiler.profile, path: str, steps: int, say: Callab
     partial = os.path.join(os.path.dirname(os.path.abspath(path)), ".partial." + os.path.basename(path))
     prof.export_chrome_trace(partial)
     os.replace(partial, path)
-    say(f"trace of {steps} step(s) written to {path} (a category table: python bench/fp8_linear.py --gaps {path})",
+    say(f"trace of {steps} step(s) written to {path} (a category table: python bench/trace_gaps.py {path})",
         flush=True)
 
 
 def train(cfg: TrainConfig) -> None:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     say = print if rank == 0 else (lambda *a, **k: None)
-    # At micro-batch 36 of the 7B preset on an H100 (torch 2.11), one batch's forward gave a
-    # loss of 14-20 instead of ~11 in three runs with cuDNN's SDPA, and ~11 without it; off,
-    # the 1b preset's coat run was 9% slower. PyTorch's default stays, and the log says it.
+    # cuDNN's SDPA has given a wrong forward loss at one micro-batch of the 7B preset, and
+    # turning it off slowed the 1b preset's coat run (docs/benchmarks.md). PyTorch's default
+    # stays, and the log says it.
     torch.backends.cuda.enable_cudnn_sdp(cfg.cudnn_attention)
     say(f"attention: SDPA {'may use' if cfg.cudnn_attention else 'without'} cuDNN's kernels (cudnn_attention)",
         flush=True)

@@ -4,11 +4,8 @@ side in a process of its own (honest peaks).
 
     python bench/fp8_linear.py --shape 7b                      # default sides, then the table
     python bench/fp8_linear.py --shape 7b 1b --sides bf16 coat_fp8 torchao --tree .oldwt --rounds 2
-    python bench/fp8_linear.py --kernels                       # quantize/transpose vs copy
-    python bench/fp8_linear.py --crossover                     # one eager layer: where FP8 pays
     python bench/fp8_linear.py --shape 7b --sides coat_fp8 --profile      # top kernels of one step
-    python bench/fp8_linear.py --shape 7b --sides coat_fp8 --trace DIR    # one step's chrome trace ...
-    python bench/fp8_linear.py --gaps DIR/7b_coat_fp8.json.gz --top 12    # ... where the GPU waits (CPU)
+    python bench/fp8_linear.py --shape 7b --sides coat_fp8 --trace DIR    # one step's trace, for trace_gaps.py
     python bench/fp8_linear.py --saved-bytes                   # CPU: FP8 input codes held for backward
     python bench/fp8_linear.py --census                        # CPU: ops and launches per eager step
     python bench/fp8_linear.py --shape tiny --sides bf16 coat_fp8 --eager  # CPU check of the script
@@ -28,9 +25,7 @@ the --ab-sides also run from the other checkout, alternating with this tree for 
 from __future__ import annotations
 
 import argparse
-import bisect
 import collections
-import gzip
 import json
 import logging
 import os
@@ -169,61 +164,6 @@ def phase_ms(model, opt, ids, steps: int) -> dict:
     return {"fwd_ms": med[0], "bwd_ms": med[1], "opt_ms": med[2]}
 
 
-def bench_kernels() -> list[str]:
-    """Quantize(+transpose) against a same-size copy; GB/s counts each byte the kernels must move
-    once (read x, write the codes): the max pass reads x a second time, a held guess does not."""
-    from coat_ds.kernels import reference
-    from coat_ds.kernels.fp8_linear import linear_quantize, new_guess
-
-    rows = ["| tensor | layouts | ours us | GB/s (unique bytes) | copy GB/s | ours / copy | torch twin us |",
-            "|---|---|---|---|---|---|---|"]
-    for name, shape, dtype in (("x 16384x4096 bf16", (16384, 4096), torch.bfloat16),
-                               ("x 16384x11008 bf16", (16384, 11008), torch.bfloat16),
-                               ("W 11008x4096 fp32", (11008, 4096), torch.float32),
-                               ("g 16384x4096 bf16", (16384, 4096), torch.bfloat16)):
-        x = torch.randn(shape, device="cuda", dtype=dtype)
-        copy_bw = 2 * x.numel() * x.element_size() / C.device_ms(lambda: x.clone()) / 1e6
-        held = new_guess(reference.linear_quantize(x, "e4m3")[2])  # a weight's path: last time's exponent
-        for row, col, label, guess in ((True, False, "row", None), (False, True, "transposed", None),
-                                       (True, True, "both", None), (True, True, "both, guessed", held)):
-            ms = C.device_ms(lambda: linear_quantize(x, "e4m3", row, col, guess=guess))
-            twin = C.device_ms(lambda: reference.linear_quantize(x, "e4m3", row, col), 5)
-            bw = x.numel() * (x.element_size() + row + col) / ms / 1e6
-            rows.append(f"| {name} | {label} | {ms * 1e3:.0f} | {bw:.0f} | {copy_bw:.0f} | {bw / copy_bw:.2f} | {twin * 1e3:.0f} |")
-        got, want = linear_quantize(x, "e4m3", True, True), reference.linear_quantize(x, "e4m3", True, True)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and int(got[2]) == int(want[2]), name
-    return rows
-
-
-def crossover(tokens_list=(4096, 8192, 16384)) -> list[str]:
-    """Eager forward + backward of one linear layer, nn.Linear under BF16 autocast against
-    coat_ds's Fp8Linear, FP32 weights: wall time per call, calls back to back (the host's
-    dispatch counts where it is the bottleneck), at Llama layer shapes from ~110M to 7B."""
-    import coat_ds
-
-    rows = ["| in x out | tokens | BF16 us | FP8 us | FP8 / BF16 |", "|---|---|---|---|---|"]
-    for k, n in ((768, 768), (768, 2048), (2048, 768), (1024, 1024), (2048, 2048), (2048, 5632), (4096, 4096),
-                 (4096, 11008)):
-        for tokens in tokens_list:
-            times = []
-            for fp8 in (False, True):
-                layer = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False)).cuda()
-                if fp8:
-                    coat_ds.convert_to_fp8_linear(layer, module_filter_fn=lambda m, fqn: True)
-                x = torch.randn(tokens, k, device="cuda", requires_grad=True)
-                dy = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
-
-                def call():
-                    with torch.autocast("cuda", dtype=torch.bfloat16):
-                        y = layer(x)
-                    y.backward(dy)
-                    layer[0].weight.grad = x.grad = None
-
-                times.append(C.wall_ms(call))
-            rows.append(f"| {k} x {n} | {tokens} | {times[0] * 1e3:.0f} | {times[1] * 1e3:.0f} | {times[1] / times[0]:.2f} |")
-    return rows
-
-
 def saved_bytes(args) -> list[str]:
     """Bytes of FP8 input codes backward holds, sibling layers (q/k/v, gate/up) sharing one copy
     of their input or not: a 2-layer HF Llama on CPU."""
@@ -348,68 +288,6 @@ def _num(x) -> str:
     return f"{x:,}" if isinstance(x, int) else f"{x:,.1f}"
 
 
-def gaps(path: str, top: int, min_us: float = 5.0) -> list[str]:
-    """A chrome trace's GPU time by kernel category, its `top` kernels by time, and its idle
-    gaps, each put on the CPU op that launched the kernel after it."""
-    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
-    gpu = sorted((e["ts"], e["ts"] + e["dur"], e["name"], e.get("args", {}).get("correlation"))
-                 for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
-    launches = {e["args"]["correlation"]: e for e in events  # Triton launches through the driver API
-                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
-    ops = collections.defaultdict(list)
-    for e in events:
-        if e.get("cat") in ("cpu_op", "user_annotation", "python_function"):
-            ops[e["tid"]].append((e["ts"], e["ts"] + e["dur"], e["name"]))
-    starts = {t: [o[0] for o in sorted(v)] for t, v in ops.items()}
-    ops = {t: sorted(v) for t, v in ops.items()}
-
-    def where(launch, at=None) -> str:
-        """The ops enclosing `launch`, or what its thread was running at time `at`."""
-        if launch is None:
-            return "(launch not traced)"
-        tid, ts = launch["tid"], launch["ts"] if at is None else at
-        i = bisect.bisect_right(starts.get(tid, []), ts)
-        stack = [n for s, e, n in ops.get(tid, [])[max(0, i - 400):i] if e >= ts]
-        keep = [n for n in stack if not n.startswith(("aten::", "cuda", "<built-in"))] or stack
-        return " > ".join(n[:70] for n in keep[-2:]) or "(no enclosing op)"
-
-    by_cat, idle, end, holes = collections.Counter(), 0.0, gpu[0][0], collections.Counter()
-    busy = collections.Counter()  # what the launching thread ran when the GPU went idle
-    by_name, calls = collections.Counter(), collections.Counter()
-    for start, stop, name, corr in gpu:
-        by_cat[category(name)] += stop - start
-        by_name[name] += stop - start
-        calls[name] += 1
-        if start > end:
-            idle += start - end
-            if start - end >= min_us:
-                holes[where(launches.get(corr)), name[:60]] += start - end
-                busy[where(launches.get(corr), at=end)] += start - end
-        end = max(end, stop)
-    lines = ["| category | ms |", "|---|---|"] + [f"| {c} | {us / 1e3:.1f} |" for c, us in by_cat.most_common()]
-    lines += [f"| sum | {sum(by_cat.values()) / 1e3:.1f} |", "", "| kernel | category | calls | ms |", "|---|---|---|---|"]
-    lines += [f"| {n[:90]} | {category(n)} | {calls[n]} | {us / 1e3:.2f} |" for n, us in by_name.most_common(top)]
-    lines += ["",
-              f"GPU span {(end - gpu[0][0]) / 1e3:.1f} ms, idle {idle / 1e3:.1f} ms; gaps >= {min_us:g} us by launching op:",
-              "| idle ms | launched from | next kernel |", "|---|---|---|"]
-    lines += [f"| {us / 1e3:.2f} | {w} | {n} |" for (w, n), us in holes.most_common(top)]
-    lines += ["", "The same gaps by what the launching thread was running as the GPU went idle:",
-              "| idle ms | host in |", "|---|---|"]
-    return lines + [f"| {us / 1e3:.2f} | {w} |" for w, us in busy.most_common(top)]
-
-
-def category(name: str) -> str:
-    if name.startswith("nvjet") or "gemm" in name.lower() or "cutlass" in name:
-        # cuBLASLt's nvjet names spell the operand types: q/r are FP8 (E4M3/E5M2).
-        return "GEMM, FP8" if name.startswith("nvjet_sm90_q") else "GEMM, 16/32-bit"
-    if "flash" in name or "fmha" in name or "sdpa" in name:
-        return "attention"
-    if name.startswith("triton_"):
-        return "Inductor kernels"
-    return "optimizer" if "adam" in name.lower() or "FusedOpti" in name else "other"
-
-
 def table(results: list[dict]) -> list[str]:
     rows = ["| shape | tree | side | ms/step | tokens/s | vs BF16 | peak GB | vs BF16 peak | fwd / bwd / step() ms |",
             "|---|---|---|---|---|---|---|---|---|"]
@@ -439,10 +317,6 @@ def main(argv=None) -> None:
     ap.add_argument("--profile", nargs="?", type=int, const=70, default=None, metavar="ROWS",
                     help="print each side's top kernels of one step (70 rows, or ROWS)")
     ap.add_argument("--trace", default=None, help="write each side's chrome trace of one step into this folder")
-    ap.add_argument("--gaps", default=None, help="analyse a chrome trace (--trace's) and exit")
-    ap.add_argument("--top", type=int, default=25, help="--gaps: rows listed")
-    ap.add_argument("--kernels", action="store_true", help="microbenchmark the quantize/transpose kernels")
-    ap.add_argument("--crossover", action="store_true", help="eager linear layer fwd+bwd, BF16 vs FP8, by shape")
     ap.add_argument("--saved-bytes", action="store_true", help="CPU: FP8 input codes held, shared or not")
     ap.add_argument("--census", action="store_true", help="CPU: ops, Triton launches and coat_ds Python calls of "
                     "one eager step per --sides (default bf16 coat_fp8 coat_fp8_fused), per decoder layer")
@@ -450,8 +324,8 @@ def main(argv=None) -> None:
     ap.add_argument("--log-dir", default=None, help="write each side's full output here")
     C.add_common(ap)
     args = ap.parse_args(argv)
-    if args.gaps or args.saved_bytes:
-        return print("\n".join(gaps(args.gaps, args.top) if args.gaps else saved_bytes(args)))
+    if args.saved_bytes:
+        return print("\n".join(saved_bytes(args)))
     if args.census:
         print(C.header(), flush=True)
         sides = args.sides if "--sides" in (sys.argv[1:] if argv is None else argv) else CENSUS_SIDES
@@ -463,12 +337,9 @@ def main(argv=None) -> None:
         logging.getLogger("coat_ds").setLevel(logging.INFO)
         shape, side = args.child.split(":")
         return C.emit(run_side(args, shape, side))
-    if not torch.cuda.is_available() and (args.kernels or args.crossover or any(s != "tiny" for s in args.shape)):
-        raise SystemExit("needs a CUDA GPU (or --shape tiny, --gaps, --saved-bytes)")
+    if not torch.cuda.is_available() and any(s != "tiny" for s in args.shape):
+        raise SystemExit("needs a CUDA GPU (or --shape tiny, --census, --saved-bytes)")
     print(C.header(), flush=True)
-    lines = (bench_kernels() if args.kernels else []) + (crossover() if args.crossover else [])
-    if lines:
-        print("\n".join(lines), flush=True)
     argv = C.child_argv(sys.argv[1:] if argv is None else argv)
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
@@ -482,7 +353,7 @@ def main(argv=None) -> None:
                                 **C.run_child(argv, f"{shape}:{side}", tree, log, echo=args.profile),
                                 "tree": label, "round": i // 2 + 1})
                 print(json.dumps(results[-1]), flush=True)
-    C.finish(args, "fp8_linear", {"kernels": lines, "rows": results}, lines + table(results) if results else lines)
+    C.finish(args, "fp8_linear", {"rows": results}, table(results))
 
 
 if __name__ == "__main__":

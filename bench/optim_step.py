@@ -64,7 +64,7 @@ def gpu_case(case: str, shapes, name: str, iters: int) -> dict:
         p.grad = torch.randn_like(p) * 1e-3
     before = torch.cuda.memory_allocated()
     opt = make_optimizer(name, params)
-    if name == "coat_portable":  # imported here only: trees before issue 17 lack it (--tree)
+    if name == "coat_portable":  # imported here only: older trees lack it (--tree)
         from coat_ds.kernels import set_fp8_conversions
 
         set_fp8_conversions("portable")
@@ -283,7 +283,7 @@ def stub_table(res: dict) -> list[str]:
 def run_loop(args) -> dict:
     """Phases of the training step, medians: the whole step unsynchronized (even steps), then
     forward, backward, clipping and opt.step() each closed by a synchronize (odd steps)."""
-    from accuracy import lr_at
+    from _accuracy import lr_at
     from coat_ds import ActivationConfig, CoatAdamW, compress_activations
     from coat_ds.train.data import DataConfig, batch_seed, load_data
     from coat_ds.models.llama import Llama, model_config

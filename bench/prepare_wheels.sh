@@ -2,8 +2,8 @@
 # Run HERE (not on the GPU machine): put DeepSpeed and the packages it needs that the device
 # image lacks (hjson, pydantic, pydantic-core, annotated-types, typing-inspection), and the
 # peers we compare with (torchao 0.17.0, built for the image's torch 2.11; bitsandbytes 0.50.2,
-# 43 MB: WITH_BNB=0 leaves it out to stay under the tool's 64 MiB) into .whl/ as Python 3.12
-# x86-64 wheels. .whl/ is git-ignored; the device tool carries it (carry: [".whl"]).
+# the largest: WITH_BNB=0 leaves it out where what travels with the checkout is size-limited)
+# into .whl/ as Python 3.12 x86-64 wheels. .whl/ is git-ignored and travels with the checkout.
 # DeepSpeed ships only an sdist, so it is built into a pure-Python wheel with no pre-built ops
 # (DS_BUILD_OPS=0: ops are JIT-built if ever needed; CoatAdamW and torch AdamW need none).
 set -euo pipefail

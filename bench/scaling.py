@@ -213,7 +213,7 @@ def fsdp_memory(args) -> list[str]:
 
 
 FIT_SIDES = {
-    "bf16": ["--fsdp"],  # eager: at 7B its 16 bytes/parameter do not fit an 80 GB GPU at any micro-batch
+    "bf16": ["--fsdp"],  # eager: at 7B its 16 bytes/parameter do not fit one GPU at any micro-batch
     "coat": ["--fsdp", "--compile", "--compress-activations", "--fp8-linear"],
     "coat_sib": ["--fsdp", "--compile", "--compress-activations", "--fp8-linear", "--step-in-backward"],
     "offload": [],
@@ -255,8 +255,8 @@ def recompute_plan(preset: str, micro: int, seq: int) -> str:
 
 def run_fit(args) -> list[str]:
     data = token_file(32000, 8_000_000)
-    # At the edge of the GPU's memory, fragmentation decides: a 7B coat_sib run at micro-batch
-    # 56 failed with 10 GiB reserved but unallocated. Every side gets the same allocator.
+    # At the edge of the GPU's memory, fragmentation decides: a 7B coat_sib run near its largest
+    # micro-batch failed with much memory reserved but unallocated. Every side gets the same allocator.
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": args.alloc_conf} if args.alloc_conf else None
     rows = []
     for spec in args.sides:

@@ -110,7 +110,7 @@ def end_worker() -> None:
     finalization. FSDP and DeepSpeed objects hold the gloo group past destroy_process_group, and
     its teardown while the interpreter finalizes intermittently aborts a worker that already
     passed ("terminate called without an active exception", SIGABRT)."""
-    from coat_ds.integrations.engine_setup import shutdown_distributed
+    from coat_ds.integrations.process_group import shutdown_distributed
 
     shutdown_distributed()
     sys.stdout.flush()

@@ -159,7 +159,7 @@ def test_cpu_launches_never_warn(monkeypatch):
 # -- DeepSpeed ----------------------------------------------------------------------------
 
 def test_known_keys_unreadable_warns_once_and_checks_no_key(monkeypatch, tmp_path):
-    from coat_ds.config.ds_json import load_ds_config
+    from coat_ds.integrations.deepspeed.config import load_ds_config
 
     fake = tmp_path / "deepspeed" / "__init__.py"
     fake.parent.mkdir()

@@ -13,7 +13,7 @@ import torch
 
 from coat_ds import CoatAdamW
 from coat_ds.config.checks import ConfigError
-from coat_ds.integrations.engine_setup import read_ds_settings
+from coat_ds.train.engine_setup import read_ds_settings
 from coat_ds.integrations.deepspeed.engine import OPTIMIZER_PARAMS, initialize, prepare_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -191,7 +191,7 @@ def test_unknown_adamw_keys_are_errors_naming_them(engine):
 
 @pytest.mark.parametrize("kind, bad", [("CoatAdamW", "first_moment_fromat"), ("AdamW", "weight_decy")])
 def test_every_reader_of_the_optimizer_section_refuses_alike(tmp_path, kind, bad):
-    """One reader (config.ds_json.optimizer_section) behind DeepSpeed's initialize, train.py
+    """One reader (integrations.deepspeed.config.optimizer_section) behind DeepSpeed's initialize, train.py
     under either engine and the profiler: the same misspelled key, the same error, naming the
     file. (The profiler took an AdamW section's keys unchecked before.)"""
     from coat_ds.profile.trainee import load_side

@@ -14,7 +14,7 @@ import pytest
 from helpers import ROOT
 
 import coat_ds
-from coat_ds.integrations.engine_setup import clipping_off_note
+from coat_ds.train.engine_setup import clipping_off_note
 from coat_ds.integrations.deepspeed.engine import LAUNCH_VARS, comm_op_build_note, single_process_world
 from coat_ds.train.config import parse_config
 from coat_ds.config.shipped import find_ds_config, shipped_dirs

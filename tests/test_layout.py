@@ -1,6 +1,7 @@
-"""The package's layout (issue 28): no import cycle between coat_ds's modules, no module over
-400 lines, the top of coat_ds/ is its public face (`__init__.py`) and subpackages, and the
-library never imports train.py's harness (coat_ds.train).
+"""The package's layout: no import cycle between coat_ds's modules, no module over
+400 lines, the top of coat_ds/ is its public face (`__init__.py`) and subpackages, the
+library never imports train.py's harness (coat_ds.train), and the configuration dataclasses
+(coat_ds.config) sit below everything that reads them.
 
 The import map is read from the source with `ast`, not by importing: every `import` and
 `from ... import` of a coat_ds module, absolute or relative, at the top of a module or inside
@@ -173,3 +174,11 @@ def test_library_does_not_import_the_harness():
     bad = sorted(m for m, deps in graph.items() if not (m == "coat_ds.train" or m.startswith("coat_ds.train."))
                  and any(d == "coat_ds.train" or d.startswith("coat_ds.train.") for d in deps))
     assert not bad, f"library modules importing coat_ds.train: {bad}"
+
+
+def test_config_imports_only_what_sits_below_it():
+    graph = import_graph()
+    below = ("coat_ds.config", "coat_ds.kernels", "coat_ds._compat")
+    bad = {m: sorted(d for d in deps if not d.startswith(below)) for m, deps in graph.items()
+           if m.startswith("coat_ds.config")}
+    assert not any(bad.values()), f"coat_ds.config importing the layers that read it: {bad}"

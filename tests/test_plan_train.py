@@ -6,10 +6,10 @@ import sys
 
 import pytest
 
-from coat_ds.integrations.engine_setup import read_ds_settings
+from coat_ds.train.engine_setup import read_ds_settings
 from coat_ds.models.llama import Llama, model_config
 from coat_ds.plan import Plan
-from coat_ds.plan.training import plan_for_run
+from coat_ds.train.planning import plan_for_run
 from coat_ds.train.config import parse_config
 from helpers import run_in_repo
 

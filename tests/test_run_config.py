@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from coat_ds.integrations.engine_setup import read_ds_settings
+from coat_ds.train.engine_setup import read_ds_settings
 from coat_ds.integrations.fsdp import clip_grad_norm_
 from coat_ds.train.config import TrainConfig, checkpoint_plan, field_docs
 from helpers import run_in_repo

@@ -126,7 +126,7 @@ def test_ds_json_settings_for_the_fsdp_engine(tmp_path):
     import torch
 
     from coat_ds import CoatAdamW
-    from coat_ds.integrations.engine_setup import build_optimizer, optimizer_state_bytes, read_ds_settings
+    from coat_ds.train.engine_setup import build_optimizer, optimizer_state_bytes, read_ds_settings
 
     coat = read_ds_settings(os.path.join(ROOT, "ds_configs", "coat_zero2.json"), world_size=2)
     assert (coat.micro_batch, coat.grad_accum, coat.clip, coat.bf16) == (8, 1, 1.0, True)

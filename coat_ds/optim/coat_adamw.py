@@ -157,7 +157,7 @@ class CoatAdamW(InBackwardMethods, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._in_backward is None:
-            self._step_selected(self._params_with_grads(), self._whole_step_gate())
+            self._step_work(self._work_with_grads(), grad_scale=self._whole_step_gate())
         else:
             self._in_backward.close_step()
         self._skips.after_step()
@@ -190,7 +190,10 @@ class CoatAdamW(InBackwardMethods, torch.optim.Optimizer):
         norm = torch.as_tensor(norm, dtype=torch.float32).reshape(())
         return torch.where(torch.isfinite(norm), 1.0, float("nan")).to(torch.float32)
 
-    def _params_with_grads(self) -> list[tuple[int, list[torch.Tensor]]]:
+    # -- the contract of the step-in-backward driver (InBackward): these two, param_groups --
+
+    def _work_with_grads(self) -> list[tuple[int, list[torch.Tensor]]]:
+        """The parameters holding a gradient: (param group index, its parameters) pairs."""
         work = []
         for gi, group in enumerate(self.param_groups):
             params = group["params"]
@@ -201,23 +204,23 @@ class CoatAdamW(InBackwardMethods, torch.optim.Optimizer):
                 work.append((gi, params))
         return work
 
-    def _step_selected(self, selected, grad_scale: torch.Tensor | None, given=None) -> None:
-        """Step `selected`, (param group index, parameters with a gradient) pairs, taking each
-        gradient multiplied by `grad_scale` where one is given; `given`: their gradients, one
-        list per pair, where those are not their .grad or were read already."""
-        # Everything that can refuse the step is checked before any group changes.
-        work, raising = [], []
-        for k, (gi, params) in enumerate(selected):
+    def _step_work(self, work, grads=None, grad_scale: torch.Tensor | None = None) -> None:
+        """Step `work`, (param group index, parameters) pairs, on `grads`, one list of
+        gradients per pair (None: their .grad), each multiplied by `grad_scale` where given;
+        whatever refuses the step (a sparse or non-float32 parameter, a non-finite gradient
+        under nonfinite="raise") raises before any group changes."""
+        checked, raising = [], []
+        for k, (gi, params) in enumerate(work):
             group = self.param_groups[gi]
             hp, cfg = self._validate(group)
-            grads = list(map(_GRAD, params)) if given is None else given[k]
+            group_grads = list(map(_GRAD, params)) if grads is None else grads[k]
             prepared = self._group_steps.get(tuple(map(id, params)))
-            taken = prepared.check(self.state, grads) if prepared is not None and prepared.cfg == cfg else None
+            taken = prepared.check(self.state, group_grads) if prepared is not None and prepared.cfg == cfg else None
             if taken is None:
-                for i, (p, g) in enumerate(zip(params, grads)):
+                for i, (p, g) in enumerate(zip(params, group_grads)):
                     _check_param(p, g, gi, i)
                 prepared = None
-            work.append((hp, cfg, params, grads, prepared, taken))
+            checked.append((hp, cfg, params, group_grads, prepared, taken))
             if cfg.nonfinite == "raise":
                 raising.extend((gi, p) for p in params)
         if raising:
@@ -229,9 +232,9 @@ class CoatAdamW(InBackwardMethods, torch.optim.Optimizer):
                     f"CoatAdamW: parameter {index} of param group {gi} has a non-finite gradient (or one whose "
                     "square overflows float32); nothing was updated")
             skipped_before = self._skips.total()
-        for hp, cfg, params, grads, prepared, taken in work:
+        for hp, cfg, params, group_grads, prepared, taken in checked:
             if prepared is None:
-                prepared, taken = self._prepare(params, grads, cfg)
+                prepared, taken = self._prepare(params, group_grads, cfg)
             prepared.run(taken, hp, self._skips, grad_scale)
         if raising and self._skips.total() > skipped_before:
             raise FloatingPointError(

@@ -21,7 +21,7 @@ complete and the gradient is freed, so no FP32 gradient waits for `step()`.
   clip_grad_norm_ coefficient, min(1, max_grad_norm / (norm + 1e-6)), as the fused kernel
   reads them. That is step-then-clip on BF16-rounded gradients, bit for bit. (Clipping with
   the previous step's norm instead, which keeps the update in backward, trailed
-  step-then-clip's loss by 9% on the 350m parity run: a gradient spike is applied
+  step-then-clip's loss on the 350m parity run: a gradient spike is applied
   unclipped and its square stays in the second moment for ~1 / (1 - beta2) steps.)
 * Accumulation: inside `optimizer.accumulating()` the hooks do nothing and gradients
   accumulate as usual; the first backward outside it steps.
@@ -71,7 +71,9 @@ def check_max_grad_norm(max_grad_norm, step_in_backward: bool):
 
 
 class InBackward:
-    """The in-backward machinery of one CoatAdamW: hooks, pending bucket, clipping state."""
+    """The in-backward machinery of one CoatAdamW: hooks, pending bucket, clipping state. It
+    steps the optimizer through the two methods CoatAdamW keeps for it, `_work_with_grads()`
+    and `_step_work(work, grads, grad_scale)`, and reads its `param_groups`."""
 
     def __init__(self, optimizer, max_grad_norm: float | None):
         self.opt = optimizer
@@ -227,7 +229,7 @@ class InBackward:
         """Step `work`, (param group index, parameters) pairs, on `grads`, one list per pair
         (their .grad, DDP's reduced bucket or the held copies)."""
         with self.lock:
-            self.opt._step_selected(work, grad_scale, grads)
+            self.opt._step_work(work, grads, grad_scale)
 
     # -- DDP ----------------------------------------------------------------------------------
 
@@ -288,7 +290,7 @@ class InBackward:
         self.ddp_stepped = []
         self.in_backward = False
         self._find_deferred()  # a group's option may have been changed between steps
-        work = self.opt._params_with_grads()
+        work = self.opt._work_with_grads()
         if self.max_grad_norm is None:
             if work:
                 self._step_and_free(work)

@@ -85,7 +85,7 @@ class _LayerBytes:
     is this layer's choice (kept and recomputed layers save it, FP8 layers save codes). A
     weak reference to the input's storage tells. Counted at the post-hook alone, every FP8
     layer looked one hidden state larger and the head's transient one hidden state per layer
-    smaller, which mispredicted mixed plans by ~9% at the ~1B shape.
+    smaller, which mispredicted mixed plans.
 
     On for the whole session, not only the measured step: compiled layers guard on their
     hooks, so hooks added and removed around one step would recompile them twice per run."""

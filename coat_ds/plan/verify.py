@@ -2,10 +2,10 @@
 search runs again with the budget lowered by the error the cost model made for that plan.
 
 The cost model is exact for uniform plans and, since each layer's input is counted where
-it goes (measure.py), within 0.1% for the mixed plans measured so far; but a mixed plan's
-peak is still a prediction from uniform runs. A plan that does not fit is worse than a
-slower one that does, so the planner measures its pick, and where it is over, plans again
-with the prediction's error taken as a margin."""
+it goes (measure.py), close for the mixed plans measured so far (docs/planner.md); but a
+mixed plan's peak is still a prediction from uniform runs. A plan that does not fit is worse
+than a slower one that does, so the planner measures its pick, and where it is over, plans
+again with the prediction's error taken as a margin."""
 from __future__ import annotations
 
 import dataclasses

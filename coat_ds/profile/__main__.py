@@ -1,5 +1,5 @@
 """`python -m coat_ds.profile --model small --budget-gb 0.05`: see docs/profiler.md."""
-from ..integrations.engine_setup import shutdown_distributed
+from ..integrations.process_group import shutdown_distributed
 from .options import parse_options
 from .run import profile
 

@@ -108,9 +108,9 @@ class CudaTrial:
 
     def __call__(self, b: int) -> tuple[bool, int | None]:
         # With several ranks an OOM on one rank mid-backward leaves the others waiting in a
-        # collective: batches the measured figures put over the memory are not run. (With a
-        # 5% margin, a 7B ZeRO-3 trial predicted 1% over ran out of memory on one rank of
-        # four and hung the others.)
+        # collective: batches the measured figures put over the memory are not run. (Run
+        # anyway within a margin, a 7B ZeRO-3 trial predicted just over ran out of memory on
+        # one rank and hung the others.)
         over = self.predicted is not None and self.predicted(b) > self.limit_bytes
         # One rank skipping while another runs the step would hang the latter: skip together.
         if self.predicted is not None and not all_ranks_agree(not over, self.get_trainee().device):

@@ -14,9 +14,8 @@ from torch import nn
 from .._compat.deepspeed import release_zero3_references
 from ..activation import compress_activations
 from ..config import ActivationConfig
-from ..config.ds_json import load_ds_config
-from ..integrations.engine_setup import optimizer_settings
-from ..integrations.deepspeed.engine import initialize, local_partitions
+from ..integrations.deepspeed.config import load_ds_config
+from ..integrations.deepspeed.engine import initialize, local_partitions, optimizer_settings
 from ..integrations.fsdp import setup_fsdp
 from ..linear import convert_to_fp8_linear
 from ..models.llama import Llama, ModelConfig
@@ -250,8 +249,8 @@ class DeepSpeedTrainee(Trainee):
         # ZeRO-3 pushes the model onto a module-global stack when it is set up, and
         # submodules whose forward an out-of-memory error interrupted stay on it; its
         # coordinator memoizes parameters to release per coordinator on the class. destroy()
-        # clears neither, and through them the model, its partitions and the optimizer (43 GB
-        # per rank for the 7B preset on 2 GPUs) would outlive the engine.
+        # clears neither, and through them the model, its partitions and the optimizer would
+        # outlive the engine.
         release_zero3_references(module)
 
 

@@ -1,2 +1,3 @@
-"""The training harness train.py runs: its settings (`config`), data and metrics log. The
+"""The training harness train.py runs: its settings (`config`), data, the engines' optimizer
+and batch settings (`engine_setup`), the planning step (`planning`) and metrics log. The
 library never imports it."""

@@ -20,7 +20,7 @@ import yaml
 
 from ..config import RECIPES
 from ..config.checks import ConfigError, boolean, choice, integer, number, text
-from ..integrations.engine_setup import read_ds_settings
+from .engine_setup import read_ds_settings
 from ..models.llama import PRESETS
 from ..config.shipped import find_ds_config, find_train_preset
 
@@ -65,7 +65,7 @@ class TrainConfig:
     fsdp_mode: str = "fsdp2"  # FSDP engine: "fsdp2" (fully_shard) or "fsdp1" (FullyShardedDataParallel)
     compress_activations: bool = False  # store saved activations in FP8 (coat_ds.compress_activations)
     compile: bool = False  # torch.compile each decoder block (FP8 activations then compiled into its graphs)
-    cudnn_attention: bool = True  # SDPA may choose cuDNN's attention, as PyTorch does (off: flash / memory-efficient only, 9% slower for coat at the 1b preset; cuDNN's gave one 7B forward a wrong loss, docs/benchmarks.md)
+    cudnn_attention: bool = True  # SDPA may choose cuDNN's attention, as PyTorch does (off: flash / memory-efficient only, slower for coat at the 1b preset; cuDNN's gave one 7B forward a wrong loss, docs/benchmarks.md)
     fp8_linear: bool = False  # FP8 GEMMs in the blocks' linear layers (coat_ds.convert_to_fp8_linear; head kept)
     fp8_keep_weight_codes: bool = False  # with fp8_linear: backward reads forward's FP8 weight (+1 byte per weight element held; under fsdp or ZeRO-3 every gathered layer's)
     step_in_backward: bool = False  # CoatAdamW steps each parameter in backward and frees its gradient (FSDP2 only; the JSON's optimizer.params "step_in_backward": true turns it on too)

@@ -1,7 +1,7 @@
-"""DeepSpeed: `initialize` (ZeRO 1/2/3 with CoatAdamW from the JSON), its checkpoints, and the
-registry that lets DeepSpeed's own `deepspeed.initialize` build CoatAdamW, and torch.compile per
-decoder layer under ZeRO-3. DeepSpeed itself is
-imported only when one of these runs."""
+"""DeepSpeed: `initialize` (ZeRO 1/2/3 with CoatAdamW from the JSON), its checkpoints, the
+registry that lets DeepSpeed's own `deepspeed.initialize` build CoatAdamW, `config`, the one
+reader of a DeepSpeed JSON, and torch.compile per decoder layer under ZeRO-3 (`zero3`).
+DeepSpeed itself is imported only when one of these runs."""
 from .checkpoint import consolidate_checkpoint, load_checkpoint, load_fp32_checkpoint, save_checkpoint
 from .engine import initialize, prepare_config, state_memory_report
 from .registry import register_deepspeed

@@ -28,16 +28,17 @@ import torch
 
 from ..._compat.deepspeed import comm_op_build, fp32_partitions, unchecked_overflow_norm
 from ...config import OptimStateConfig
-from ...config.ds_json import OPTIMIZER_ARGUMENTS, batch_keys, bf16_key, load_ds_config, optimizer_section, precision
 from ...optim import CoatAdamW
 from ...optim import state as st
 from ...config.shipped import find_ds_config
+from .config import OPTIMIZER_ARGUMENTS, batch_keys, bf16_key, load_ds_config, optimizer_section, precision
 from .registry import mark_zero_tested
 
 __all__ = [
     "OPTIMIZER_TYPE",
     "OPTIMIZER_PARAMS",
     "prepare_config",
+    "optimizer_settings",
     "initialize",
     "LAUNCH_VARS",
     "LAUNCH_HINT",
@@ -102,6 +103,17 @@ def prepare_config(config) -> tuple[dict, dict | None]:
     ds["zero_allow_untested_optimizer"] = True
     del ds["optimizer"]
     return ds, kwargs
+
+
+def optimizer_settings(ds: dict, path: str, engine: str = "fsdp") -> tuple[str, dict]:
+    """(type, keyword arguments) of the JSON's optimizer section as `engine` runs it, read by
+    `optimizer_section`: "CoatAdamW", "AdamW" or "Adam", checked, without DeepSpeed-only
+    switches; under DeepSpeed also its own optimizers, which it checks itself. A JSON that
+    names none is an error: both engines build the optimizer from it."""
+    found = optimizer_section(ds, path, pass_others=engine == "deepspeed", required=True)
+    if found[0] == OPTIMIZER_TYPE:
+        prepare_config(ds)  # the ZeRO settings CoatAdamW's state cannot take are refused for either engine
+    return found
 
 
 _NO_STEP_IN_BACKWARD = (

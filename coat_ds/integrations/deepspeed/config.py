@@ -22,9 +22,9 @@ import warnings
 
 import torch
 
-from .._compat.deepspeed import known_config_words
-from ..optim.coat_adamw import CoatAdamW
-from .checks import ConfigError, boolean, integer, number
+from ..._compat.deepspeed import known_config_words
+from ...config.checks import ConfigError, boolean, integer, number
+from ...optim.coat_adamw import CoatAdamW
 
 __all__ = ["load_ds_config", "bf16_key", "precision", "gradient_clipping", "batch_sizes", "batch_keys", "zero_stage",
            "check_keys", "OPTIMIZERS", "OPTIMIZER_ARGUMENTS", "DEEPSPEED_ONLY_ADAM_KEYS", "optimizer_section"]

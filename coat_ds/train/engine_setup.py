@@ -1,5 +1,5 @@
-"""What train.py's engines take from a DeepSpeed JSON, how it sizes optimizer state, and
-how train.py and the profiler end the process group they run in.
+"""What train.py's engines take from a DeepSpeed JSON, and how it builds and sizes their
+optimizer.
 
 One JSON stays the single source of truth for both engines, read once by `read_ds_settings`:
 an FSDP run takes the same micro-batch, gradient accumulation, clipping, BF16 switch and
@@ -8,21 +8,18 @@ same thing, and a value that DeepSpeed would read loosely is refused for both.
 """
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from ..config.checks import ConfigError, boolean, choice, integer, number
 from ..config import AdamWHyperparams
-from ..config.ds_json import (OPTIMIZERS, batch_sizes, gradient_clipping, load_ds_config, optimizer_section,
-                              precision, zero_stage)
-from .deepspeed.engine import prepare_config
+from ..integrations.deepspeed.config import (OPTIMIZERS, batch_sizes, gradient_clipping, load_ds_config, precision,
+                                             zero_stage)
+from ..integrations.deepspeed.engine import optimizer_settings
 from ..optim.state import state_bytes
 
-__all__ = ["DsTrainSettings", "read_ds_settings", "clipping_off_note", "optimizer_settings", "build_optimizer",
-           "optimizer_state_bytes", "shutdown_distributed"]
+__all__ = ["DsTrainSettings", "read_ds_settings", "clipping_off_note", "build_optimizer", "optimizer_state_bytes"]
 
 _ENGINES = ("deepspeed", "fsdp")
 
@@ -98,17 +95,6 @@ def _where(path) -> str:
     return "DeepSpeed config" if isinstance(path, dict) else str(path)
 
 
-def optimizer_settings(ds: dict, path: str, engine: str = "fsdp") -> tuple[str, dict]:
-    """(type, keyword arguments) of the JSON's optimizer section as `engine` runs it, read by
-    `optimizer_section`: "CoatAdamW", "AdamW" or "Adam", checked, without DeepSpeed-only
-    switches; under DeepSpeed also its own optimizers, which it checks itself. A JSON that
-    names none is an error: both engines build the optimizer from it."""
-    found = optimizer_section(ds, path, pass_others=engine == "deepspeed", required=True)
-    if found[0] == "CoatAdamW":
-        prepare_config(ds)  # the ZeRO settings CoatAdamW's state cannot take are refused for either engine
-    return found
-
-
 def build_optimizer(settings: DsTrainSettings, params, **overrides) -> torch.optim.Optimizer:
     """The JSON's optimizer over `params`, `overrides` replacing keyword arguments of its params."""
     return OPTIMIZERS[settings.optimizer_type](params, **{**settings.optimizer_params, **overrides})
@@ -118,18 +104,3 @@ def optimizer_state_bytes(optim: torch.optim.Optimizer) -> int:
     """Bytes of optimizer state held by this rank: every state tensor but the step counter,
     a DTensor's local shard (`coat_ds.optim.state.state_bytes`)."""
     return state_bytes(*optim.state.values())
-
-
-def shutdown_distributed() -> None:
-    """End the default process group, on every rank together, before the interpreter exits.
-
-    A gloo process group destroyed while the interpreter finalizes can SIGABRT ("terminate
-    called without an active exception") and turn a finished run into a failed exit status.
-    The engine's objects hold the group (FSDP2's parameter groups keep it, DeepSpeed's engine
-    too) and sit in reference cycles, so they would only die in that finalization: collect
-    them now, then end the group."""
-    gc.collect()
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    gc.collect()

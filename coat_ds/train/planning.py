@@ -6,14 +6,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..integrations.engine_setup import build_optimizer
-from .apply import ApplyConfig
-from .layers import decoder_layers
-from .measure import measure_choices, measure_plan
-from .measurements import MeasureConfig
-from .plan import Plan, load_plan
-from .search import CostModel
-from .verify import search_verified
+from ..plan import (ApplyConfig, CostModel, MeasureConfig, Plan, decoder_layers, load_plan, measure_choices,
+                    measure_plan, search_verified)
+from .engine_setup import build_optimizer
 
 __all__ = ["plan_for_run", "run_apply_config"]
 
