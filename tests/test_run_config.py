@@ -213,11 +213,19 @@ def test_help_lists_each_flag_once_with_what_it_does_and_its_default(capsys):
 
 
 @pytest.mark.slow
-def test_run_says_when_no_checkpoint_will_be_saved():
+def test_run_says_when_no_checkpoint_will_be_saved(tmp_path):
+    """Also the library-only install (torch and pyyaml): the FSDP run with CoatAdamW, where
+    `import numpy` and `import deepspeed` fail as where neither is installed."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\n"
+        "sys.modules.update(numpy=None, deepspeed=None)  # import fails, find_spec finds none\n"
+        "print('numpy and deepspeed hidden', file=sys.stderr)\n")
     common = ["train.py", "--fsdp", "--preset", "tiny", "--seq-len", "16", "--max-steps", "1", "--eval-batches", "1",
-              "--max-data-bytes", "100000", "--deepspeed", "ds_configs/bf16_zero2.json"]
-    proc = run_in_repo([sys.executable, *common], timeout=300)
+              "--max-data-bytes", "100000"]
+    proc = run_in_repo([sys.executable, *common], timeout=300,
+                       PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT, os.environ.get("PYTHONPATH", "")]))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "numpy and deepspeed hidden" in proc.stderr and "step 1/1" in proc.stdout
     assert "checkpoints: NONE will be saved" in proc.stdout
     assert "unused" in checkpoint_plan(TrainConfig(save_interval=5))
     assert "NONE" not in checkpoint_plan(TrainConfig(save_dir="ck", save_interval=5))

@@ -59,6 +59,12 @@ def test_user_text_and_bin_sources(tmp_path):
     np.arange(3000, dtype=np.uint16).tofile(binf)
     d = load_data(DataConfig(source=str(binf)))
     assert d.vocab_size == 3000 and int(d.val[-1]) == 2999
+    np.arange(70_000, 73_000, dtype=np.int32).tofile(binf)
+    d = load_data(DataConfig(source=str(binf), bin_dtype="int32"))
+    assert d.vocab_size == 73_000 and int(d.train[0]) == 70_000 and d.train.dtype == torch.int64
+    binf.write_bytes(b"\0" * 7)  # not a whole number of uint16 tokens
+    with pytest.raises(ValueError, match=f"{binf}: 7 bytes, .*uint16.*is bin_dtype right"):
+        load_data(DataConfig(source=str(binf)))
 
 
 def test_model_presets_and_forward():
