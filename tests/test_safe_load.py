@@ -127,6 +127,27 @@ def test_crafted_dcp_metadata_is_refused_by_find_checkpoint(tmp_path):
     assert marker.exists()
 
 
+def test_forced_unsafe_loads_are_named_with_the_two_ways_out(tmp_path, monkeypatch):
+    """TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD set, torch refuses every weights-only load: each entry
+    point says so before reading (DCP would wrap it per rank), trusting loads as it asks."""
+    from coat_ds.integrations.deepspeed.checkpoint import load_checkpoint as deepspeed_load
+    from coat_ds.integrations.fsdp import load_checkpoint_folder
+
+    path = tmp_path / "mp_rank_00_model_states.pt"  # a sound file, DeepSpeed's name
+    torch.save({"dp_world_size": 1, "weight": torch.ones(2)}, path)
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    for load in (lambda: load_file(path), lambda: deepspeed_load(None, str(tmp_path)),
+                 lambda: load_checkpoint_folder(tmp_path, None, None)):  # refused before the engine is used
+        with pytest.raises(CheckpointError) as err:
+            load()
+        msg = str(err.value)
+        assert "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 is set" in msg and "unset TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD" in msg
+        assert "--trust-checkpoint" in msg, msg
+    assert torch.equal(load_file(path, trust_checkpoint=True)["weight"], torch.ones(2))
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0")  # torch's "off"
+    assert load_file(path)["dp_world_size"] == 1
+
+
 def test_trust_checkpoint_flag_and_yaml_key(tmp_path):
     from coat_ds.train.config import parse_config
 

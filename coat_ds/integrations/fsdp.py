@@ -54,7 +54,8 @@ from torch.distributed.tensor import DTensor
 from ..activation import compress_activations
 from ..io.checkpoint_folders import find_checkpoint, report_skipped, staged_save
 from ..io.faults import fault_point
-from ..io.safe_load import CheckpointError, load_dcp_metadata, reading_file, weights_only_loads
+from ..io.safe_load import (CheckpointError, check_load_environment, load_dcp_metadata, reading_file,
+                            weights_only_loads)
 from ..config import ActivationConfig
 from ..optim.sharded import mark_global_numel
 from ..optim.state import MOMENTS
@@ -325,6 +326,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optim, trust_chec
 def load_checkpoint_folder(folder: str | os.PathLike, model: nn.Module, optim, trust_checkpoint: bool = False) -> int:
     """`load_checkpoint` of the checkpoint folder `resolve_checkpoint` returned, without
     searching or verifying it again; returns the saved step."""
+    check_load_environment(trust_checkpoint)  # inside dcp.load, the refusal would come wrapped per rank
     state = _state(model, optim)
     state["train"] = {"step": torch.zeros((), dtype=torch.int64)}
     reader = _Reader(folder, trust_checkpoint)
