@@ -18,8 +18,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-__all__ = ["CheckpointError", "check_load_environment", "weights_only_loads", "reading_file", "load_file",
-           "load_dcp_metadata"]
+__all__ = ["CheckpointError", "check_load_environment", "weights_only_loads", "listed_refusal", "reading_file",
+           "load_file", "load_dcp_metadata"]
 
 
 class CheckpointError(RuntimeError):
@@ -77,15 +77,29 @@ def _refusal(path, names: Sequence[str]) -> CheckpointError:
                            f"{_TRUST_HINT}")
 
 
-def _weights_only_refusal(path, source, error: Exception) -> CheckpointError:
-    """The refusal of the torch.save file `source` (path or stream): the globals it holds that
-    weights-only unpickling does not allow, else torch's own words for what it refused."""
+def _unsafe_globals(source) -> list[str]:
+    """The globals the torch.save file `source` (path or stream) names that weights-only
+    unpickling does not allow, read from its pickle alone ([] for a file that cannot be listed)."""
     try:
         if hasattr(source, "seek"):
             source.seek(0)
-        names = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(source))
-    except Exception:  # a legacy (non-zip) file cannot be listed
-        names = []
+        return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(source))
+    except Exception:  # a legacy (non-zip) or damaged file cannot be listed
+        return []
+
+
+def listed_refusal(path) -> CheckpointError | None:
+    """The refusal a weights-only load of the torch.save file `path` would raise for a global
+    its pickle names, found without reading its tensors (call inside `weights_only_loads`, so
+    that those it allows are not listed); None when none is found."""
+    names = _unsafe_globals(path)
+    return _refusal(path, names) if names else None
+
+
+def _weights_only_refusal(path, source, error: Exception) -> CheckpointError:
+    """The refusal of the torch.save file `source` (path or stream): the globals it holds that
+    weights-only unpickling does not allow, else torch's own words for what it refused."""
+    names = _unsafe_globals(source)
     if names:
         return _refusal(path, names)
     found = re.search(r"WeightsUnpickler error: (.*?)(?: Please use|\n|$)", str(error))
