@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import warnings
 
 import pytest
@@ -215,14 +216,23 @@ def test_optimizer_section_that_is_no_object_is_an_error_naming_it():
             read({"train_micro_batch_size_per_gpu": 1, "optimizer": "CoatAdamW"})
 
 
-def test_string_micro_batch_is_refused_naming_the_key_before_deepspeed():
+def test_string_values_are_refused_naming_the_key_before_deepspeed():
+    """What the FSDP engine's reader refuses, deepspeed_initialize refuses alike (DeepSpeed
+    would fail later with a bare TypeError, or read "false" as False), for either optimizer."""
     import coat_ds
 
-    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
-        cfg = _bf16_cfg()
-        cfg[key] = "4"
-        with pytest.raises(ConfigError, match=f"{key}: got '4' \\(str\\); allowed: an integer >= 1"):
-            coat_ds.deepspeed_initialize(model=torch.nn.Linear(2, 2), config=cfg)
+    bad = [(key, "4", "an integer >= 1")
+           for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")]
+    bad += [("gradient_clipping", "1.0", "a finite number"), ("zero_optimization.stage", "2", "an integer >= 0"),
+            ("bf16.enabled", "false", "true or false")]
+    for make in (_bf16_cfg, _cfg):
+        for key, value, allowed in bad:
+            cfg = make()
+            *section, name = key.split(".")
+            (cfg.setdefault(section[0], {}) if section else cfg)[name] = value
+            with pytest.raises(ConfigError, match=re.escape(f"DeepSpeed config: {key}: got {value!r} (str); allowed: "
+                                                            f"{allowed}")):
+                coat_ds.deepspeed_initialize(model=torch.nn.Linear(2, 2), config=cfg)
 
 
 def test_step_in_backward_is_refused_by_deepspeed_initialize_naming_the_key_and_fsdp2():
