@@ -210,6 +210,29 @@ def test_every_reader_of_the_optimizer_section_refuses_alike(tmp_path, kind, bad
         assert str(err.value).startswith(f"{path}: optimizer.params of {kind} has unknown key {bad!r}"), str(err.value)
 
 
+def test_unknown_zero_key_is_refused_by_the_fsdp_reader_as_by_deepspeed():
+    """The FSDP engine reads only `stage` of the ZeRO section, without DeepSpeed: its list of
+    the keys DeepSpeed takes is the installed DeepSpeed's, and a misspelled one is refused."""
+    import pydantic
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from coat_ds.config.ds_json import ZERO_KEYS
+
+    fields = DeepSpeedZeroConfig.model_fields
+    assert sorted(ZERO_KEYS) == sorted({*fields, *(f.alias for f in fields.values() if f.alias)})
+    for make in (_cfg, _bf16_cfg):
+        cfg = make()
+        cfg["zero_optimization"]["stagee"] = 2
+        with pytest.raises(ValueError, match=r"^DeepSpeed config: zero_optimization has unknown key 'stagee' \(did you "
+                                             r"mean 'stage'\?\); valid keys: stage, .*, leaf_module$"):
+            read_ds_settings(cfg, 1, engine="fsdp")
+        with pytest.raises(pydantic.ValidationError, match="stagee"):  # DeepSpeed's own reader
+            DeepSpeedZeroConfig(**cfg["zero_optimization"])
+    cfg = _bf16_cfg()
+    cfg["zero_optimization"].update(stage3_max_live_parameters=10**9, max_reuse_distance=10**9)  # names and aliases
+    assert read_ds_settings(cfg, 1, engine="fsdp").zero_stage == 2
+
+
 def test_optimizer_section_that_is_no_object_is_an_error_naming_it():
     for read in (prepare_config, lambda cfg: read_ds_settings(cfg, 1)):
         with pytest.raises(ConfigError, match=r"optimizer: got 'CoatAdamW' \(str\)"):
