@@ -27,7 +27,8 @@ from ..optim.coat_adamw import CoatAdamW
 from .checks import ConfigError, boolean, integer, number
 
 __all__ = ["load_ds_config", "bf16_key", "precision", "gradient_clipping", "batch_sizes", "batch_keys", "zero_stage",
-           "ZERO_KEYS", "check_zero_keys", "check_keys", "OPTIMIZERS", "OPTIMIZER_ARGUMENTS", "DEEPSPEED_ONLY_ADAM_KEYS", "optimizer_section"]
+           "ZERO_KEYS", "check_zero_keys", "check_keys", "OPTIMIZERS", "OPTIMIZER_ARGUMENTS", "DEEPSPEED_ONLY_ADAM_KEYS",
+           "optimizer_section"]
 
 # DeepSpeed's default when the key is absent (deepspeed/runtime/constants.py): clip at 1.0.
 _CLIP_DEFAULT = 1.0

@@ -44,7 +44,7 @@ def check_load_environment(trust_checkpoint: bool = False) -> None:
     if not trust_checkpoint and value.lower() in ("1", "y", "yes", "true"):
         raise CheckpointError(
             f"{_FORCE_NO_WEIGHTS_ONLY}={value} is set in the environment: it asks torch to unpickle whatever a "
-            f"checkpoint names, and coat_ds loads checkpoints weights-only unless told to trust them. Unset it "
+            "checkpoint names, and coat_ds loads checkpoints weights-only unless told to trust them. Unset it "
             f"(`unset {_FORCE_NO_WEIGHTS_ONLY}`), or, if you trust where the checkpoint comes from, load it with "
             "trust_checkpoint=True (train.py: --trust-checkpoint)")
 
