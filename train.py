@@ -36,7 +36,7 @@ import torch.distributed as dist
 import yaml
 
 from coat_ds import Fp8LinearConfig, compress_activations, convert_to_fp8_linear, fuse_lm_head_loss, prepare
-from coat_ds.io.checkpoint_folders import check_new_checkpoints
+from coat_ds.io.checkpoint_folders import check_new_checkpoints, read_record
 from coat_ds.train.data import DataConfig, TokenData, batch_seed, load_data
 from coat_ds.integrations.deepspeed.config import gradient_clipping, load_ds_config
 from coat_ds.integrations.process_group import shutdown_distributed
@@ -161,10 +161,12 @@ def setup_fsdp_engine(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
         sched.last_epoch = step
         for group, base in zip(optim.param_groups, sched.base_lrs):
             group["lr"] = base * lr_factor(cfg, step)
-        return folder, {"step": step}
+        saved = (read_record(folder, verify=False) or {}).get("client_state", {})  # a record's, if it has one
+        return folder, {**saved, "step": step}
 
     return Runner(train_micro_step, eval_loss_of(model),
-                  save=lambda d, tag, client: save_checkpoint(os.path.join(d, tag), model, optim, client["step"]),
+                  save=lambda d, tag, client: save_checkpoint(os.path.join(d, tag), model, optim, client["step"],
+                                                              client_state=client),
                   load=load, lr=lambda: optim.param_groups[0]["lr"],
                   optimizer_state_bytes=lambda: optimizer_state_bytes(optim),
                   nonfinite_groups=lambda: nonfinite_groups(optim),
@@ -289,6 +291,23 @@ def step_in_backward_note(cfg: TrainConfig) -> str | None:
             "gradient and frees that gradient; no clipping")
 
 
+# Settings that change what each step computes: a resume may change them, and the log says so.
+RESUME_COMPARED = ("recipe", "fp8_linear", "compress_activations", "fused_head_loss")
+
+
+def resume_note(cfg: TrainConfig, saved: dict | None) -> str | None:
+    """The log line naming the RESUME_COMPARED settings in which this run differs from the
+    checkpoint's (`saved`: the train_config of its client state), else None."""
+    def shown(v):
+        return ("on" if v else "off") if isinstance(v, bool) else repr(v)
+
+    differ = [f"{k} {shown(getattr(cfg, k))} (the checkpoint's run: {shown(saved[k])})"
+              for k in RESUME_COMPARED if saved and k in saved and saved[k] != getattr(cfg, k)]
+    if not differ:
+        return None
+    return f"settings unlike the checkpoint's: {', '.join(differ)}; training goes on with this run's"
+
+
 def settings_lines(cfg: TrainConfig) -> list[str]:
     """What the run will do, printed first (before the process group and its op build)."""
     lines = ["resolved config:\n" + yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False), checkpoint_plan(cfg)]
@@ -378,7 +397,12 @@ def train(cfg: TrainConfig) -> None:
     if cfg.resume:
         loaded, client_state = runner.load(cfg.resume)
         start = int(client_state["step"])
+        if dist.is_initialized():
+            dist.barrier()  # said once every rank has loaded (one that failed has ended the group)
         say(f"resumed from {loaded} at step {start}", flush=True)
+        note = resume_note(cfg, client_state.get("train_config"))
+        if note:
+            say(note, flush=True)
     if cfg.save_dir:  # before training, not at the first save that would hit them
         check_new_checkpoints(cfg.save_dir, [f"step{s}" for s in range(start + 1, cfg.max_steps + 1)
                                              if will_save(cfg, s)])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import warnings
 
 import pytest
@@ -209,20 +210,52 @@ def test_every_reader_of_the_optimizer_section_refuses_alike(tmp_path, kind, bad
         assert str(err.value).startswith(f"{path}: optimizer.params of {kind} has unknown key {bad!r}"), str(err.value)
 
 
+def test_unknown_zero_key_is_refused_by_the_fsdp_reader_as_by_deepspeed():
+    """The FSDP engine reads only `stage` of the ZeRO section, without DeepSpeed: its list of
+    the keys DeepSpeed takes is the installed DeepSpeed's, and a misspelled one is refused."""
+    import pydantic
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from coat_ds.integrations.deepspeed.config import ZERO_KEYS
+
+    fields = DeepSpeedZeroConfig.model_fields
+    assert sorted(ZERO_KEYS) == sorted({*fields, *(f.alias for f in fields.values() if f.alias)})
+    for make in (_cfg, _bf16_cfg):
+        cfg = make()
+        cfg["zero_optimization"]["stagee"] = 2
+        with pytest.raises(ValueError, match=r"^DeepSpeed config: zero_optimization has unknown key 'stagee' \(did you "
+                                             r"mean 'stage'\?\); valid keys: stage, .*, leaf_module$"):
+            read_ds_settings(cfg, 1, engine="fsdp")
+        with pytest.raises(pydantic.ValidationError, match="stagee"):  # DeepSpeed's own reader
+            DeepSpeedZeroConfig(**cfg["zero_optimization"])
+    cfg = _bf16_cfg()
+    cfg["zero_optimization"].update(stage3_max_live_parameters=10**9, max_reuse_distance=10**9)  # names and aliases
+    assert read_ds_settings(cfg, 1, engine="fsdp").zero_stage == 2
+
+
 def test_optimizer_section_that_is_no_object_is_an_error_naming_it():
     for read in (prepare_config, lambda cfg: read_ds_settings(cfg, 1)):
         with pytest.raises(ConfigError, match=r"optimizer: got 'CoatAdamW' \(str\)"):
             read({"train_micro_batch_size_per_gpu": 1, "optimizer": "CoatAdamW"})
 
 
-def test_string_micro_batch_is_refused_naming_the_key_before_deepspeed():
+def test_string_values_are_refused_naming_the_key_before_deepspeed():
+    """What the FSDP engine's reader refuses, deepspeed_initialize refuses alike (DeepSpeed
+    would fail later with a bare TypeError, or read "false" as False), for either optimizer."""
     import coat_ds
 
-    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
-        cfg = _bf16_cfg()
-        cfg[key] = "4"
-        with pytest.raises(ConfigError, match=f"{key}: got '4' \\(str\\); allowed: an integer >= 1"):
-            coat_ds.deepspeed_initialize(model=torch.nn.Linear(2, 2), config=cfg)
+    bad = [(key, "4", "an integer >= 1")
+           for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")]
+    bad += [("gradient_clipping", "1.0", "a finite number"), ("zero_optimization.stage", "2", "an integer >= 0"),
+            ("bf16.enabled", "false", "true or false")]
+    for make in (_bf16_cfg, _cfg):
+        for key, value, allowed in bad:
+            cfg = make()
+            *section, name = key.split(".")
+            (cfg.setdefault(section[0], {}) if section else cfg)[name] = value
+            with pytest.raises(ConfigError, match=re.escape(f"DeepSpeed config: {key}: got {value!r} (str); allowed: "
+                                                            f"{allowed}")):
+                coat_ds.deepspeed_initialize(model=torch.nn.Linear(2, 2), config=cfg)
 
 
 def test_step_in_backward_is_refused_by_deepspeed_initialize_naming_the_key_and_fsdp2():

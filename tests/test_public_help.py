@@ -48,6 +48,20 @@ def test_deepspeed_initialize_has_the_real_signature_without_loading_deepspeed()
     assert result["help"] and result["listed"]
 
 
+def test_coat_adamw_help_names_the_step_host_tensors_take():
+    """CoatAdamW's docstring says where a step on host tensors runs: the module the kernel
+    table hands them to (backend "auto" and "torch"), and the switch of its C++ kernel."""
+    import torch
+
+    from coat_ds.kernels import get_ops, host_native
+
+    doc = " ".join(coat_ds.CoatAdamW.__doc__.split())
+    for backend in ("auto", "torch"):
+        module = get_ops(torch.device("cpu"), backend).adamw_step.__module__
+        assert module.replace(".", "/") + ".py" in doc, (backend, module)
+    assert f"{host_native.DISABLE_ENV}=1" in doc and "C++" in doc
+
+
 def test_every_profiler_option_has_help_text():
     from coat_ds.profile.options import build_parser
 

@@ -127,6 +127,27 @@ def test_crafted_dcp_metadata_is_refused_by_find_checkpoint(tmp_path):
     assert marker.exists()
 
 
+def test_forced_unsafe_loads_are_named_with_the_two_ways_out(tmp_path, monkeypatch):
+    """TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD set, torch refuses every weights-only load: each entry
+    point says so before reading (DCP would wrap it per rank), trusting loads as it asks."""
+    from coat_ds.integrations.deepspeed.checkpoint import load_checkpoint as deepspeed_load
+    from coat_ds.integrations.fsdp import load_checkpoint_folder
+
+    path = tmp_path / "mp_rank_00_model_states.pt"  # a sound file, DeepSpeed's name
+    torch.save({"dp_world_size": 1, "weight": torch.ones(2)}, path)
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    for load in (lambda: load_file(path), lambda: deepspeed_load(None, str(tmp_path)),
+                 lambda: load_checkpoint_folder(tmp_path, None, None)):  # refused before the engine is used
+        with pytest.raises(CheckpointError) as err:
+            load()
+        msg = str(err.value)
+        assert "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 is set" in msg and "unset TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD" in msg
+        assert "--trust-checkpoint" in msg, msg
+    assert torch.equal(load_file(path, trust_checkpoint=True)["weight"], torch.ones(2))
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0")  # torch's "off"
+    assert load_file(path)["dp_world_size"] == 1
+
+
 def test_trust_checkpoint_flag_and_yaml_key(tmp_path):
     from coat_ds.train.config import parse_config
 
@@ -144,8 +165,9 @@ def test_trust_checkpoint_flag_and_yaml_key(tmp_path):
 
 def worker_deepspeed(out: str) -> None:
     """Per ZeRO stage: save through coat_ds, load the real checkpoint by default (state
-    bit-exact), then a copy whose optimizer-states file of each rank carries a payload:
-    refused on every rank, then loaded with trust_checkpoint=True."""
+    bit-exact), then a copy whose optimizer-states file of rank 1 carries a payload: refused
+    on every rank, rank 0 (whose own file is sound) included, then loaded with
+    trust_checkpoint=True."""
     import torch.distributed as dist
 
     from coat_ds.integrations.deepspeed.engine import coat_optimizer
@@ -167,9 +189,10 @@ def worker_deepspeed(out: str) -> None:
         if rank == 0:
             _crafted_copy(real, "crafted")
         dist.barrier()
-        (own,) = glob.glob(os.path.join(crafted, f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
-        marker = os.path.join(out, f"ran_zero{stage}_rank{rank}")
-        _add_payload(own, marker)
+        (refused,) = glob.glob(os.path.join(crafted, "*zero_pp_rank_1_mp_rank_00_optim_states.pt"))
+        marker = os.path.join(out, f"ran_zero{stage}")
+        if rank == 1:
+            _add_payload(refused, marker)
         dist.barrier()
         target = _engine(stage)
         try:
@@ -177,9 +200,10 @@ def worker_deepspeed(out: str) -> None:
             r["refusal"] = None
         except CheckpointError as e:
             r["refusal"] = str(e)
-        r["file"], r["ran_untrusted"] = own, os.path.exists(marker)
+        r["file"], r["ran_untrusted"] = refused, os.path.exists(marker)
         dist.barrier()
         _, client = load_checkpoint(target, crafted, trust_checkpoint=True)
+        dist.barrier()  # rank 1 has unpickled its file
         r["ran_trusted"] = os.path.exists(marker)
         r["trusted_loads"] = client["step"] == 2 and _same_state(saved, coat_optimizer(target))
         results[stage] = r
@@ -204,12 +228,12 @@ def test_deepspeed_loads_refuse_crafted_files(tmp_path):
         marker.unlink()
     with pytest.raises(CheckpointError) as err:
         consolidate_checkpoint(str(crafted))
-    _assert_refused(str(err.value), glob.glob(str(crafted / "*rank_0_mp_rank_00_optim_states.pt"))[0])
+    _assert_refused(str(err.value), glob.glob(str(crafted / "*rank_1_mp_rank_00_optim_states.pt"))[0])
     with pytest.raises(CheckpointError, match=GLOBAL):
         main([str(crafted), str(tmp_path / "fp32.pt")])
     assert not list(tmp_path.glob("ran_*")) and not (tmp_path / "fp32.pt").exists()
     main([str(crafted), str(tmp_path / "fp32.pt"), "--trust-checkpoint"])
-    assert (tmp_path / "ran_zero2_rank0").exists() and (tmp_path / "fp32.pt").exists()
+    assert (tmp_path / "ran_zero2").exists() and (tmp_path / "fp32.pt").exists()
 
     model_states = tmp_path / "zero1" / "crafted" / "mp_rank_00_model_states.pt"
     _add_payload(model_states, tmp_path / "ran_model_states")

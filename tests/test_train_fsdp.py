@@ -50,16 +50,19 @@ def test_train_py_fsdp2_killed_in_save_resumes(tmp_path):
     # named and skipped. Same world size: steps 5..6 see the same batches and state, so the
     # same losses; its own step-6 save then replaces the leftover.
     same = _run(2, "--resume", str(save), "--save-dir", str(save), "--metrics-file", str(tmp_path / "same.jsonl"))
-    assert f"resumed from {save / 'step4'} at step 4" in same.stdout
+    assert f"resumed from {save / 'step4'} at step 4" in same.stdout and "settings unlike" not in same.stdout
     assert f"WARNING: skipping {save / '.step6.partial'}: incomplete checkpoint" in same.stderr
     got = read_metrics(tmp_path / "same.jsonl")
     assert got[6]["loss"] == ref[6]["loss"] and got[6]["eval_loss"] == ref[6]["eval_loss"]
     assert sorted(os.listdir(save)) == ["latest", "step4", "step6"] and (save / "latest").read_text() == "step6"
 
     # One rank: DCP reshards the checkpoint; this rank now holds the whole optimizer state
-    # (the report counts local shards, so it doubles) and training goes on from step 4.
-    one = _run(1, "--resume", str(save / "step4"), "--metrics-file", str(tmp_path / "one.jsonl"))
+    # (the report counts local shards, so it doubles) and training goes on from step 4, with
+    # the fused head loss, which the log names as a change from the checkpoint's run.
+    one = _run(1, "--resume", str(save / "step4"), "--metrics-file", str(tmp_path / "one.jsonl"), "--fused-head-loss")
     assert "1 rank(s)" in one.stdout and "at step 4" in one.stdout and "step 6/6 (100%)" in one.stdout
+    assert ("settings unlike the checkpoint's: fused_head_loss on (the checkpoint's run: off); training goes on "
+            "with this run's") in one.stdout
     got = read_metrics(tmp_path / "one.jsonl")
     assert sorted(k for k, m in got.items() if "loss" in m) == [6]
     assert math.isfinite(got[6]["loss"]) and got[6]["loss"] < ref[2]["loss"]

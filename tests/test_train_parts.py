@@ -1,6 +1,7 @@
 """train.py's pieces in-process: config precedence, LR schedule, data split and batches, model."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -59,6 +60,23 @@ def test_user_text_and_bin_sources(tmp_path):
     np.arange(3000, dtype=np.uint16).tofile(binf)
     d = load_data(DataConfig(source=str(binf)))
     assert d.vocab_size == 3000 and int(d.val[-1]) == 2999
+    np.arange(70_000, 73_000, dtype=np.int32).tofile(binf)
+    d = load_data(DataConfig(source=str(binf), bin_dtype="int32"))
+    assert d.vocab_size == 73_000 and int(d.train[0]) == 70_000 and d.train.dtype == torch.int64
+    binf.write_bytes(b"\0" * 7)  # not a whole number of uint16 tokens
+    with pytest.raises(ValueError, match=f"{binf}: 7 bytes, .*uint16.*is bin_dtype right"):
+        load_data(DataConfig(source=str(binf)))
+
+
+def test_resume_names_the_settings_unlike_the_checkpoints():
+    saved = dataclasses.asdict(train.TrainConfig(fp8_linear=True, compress_activations=True))
+    assert train.resume_note(train.TrainConfig(fp8_linear=True, compress_activations=True, max_steps=5), saved) is None
+    note = train.resume_note(train.TrainConfig(fused_head_loss=True, compress_activations=True), saved)
+    assert note == ("settings unlike the checkpoint's: fp8_linear off (the checkpoint's run: on), fused_head_loss on "
+                    "(the checkpoint's run: off); training goes on with this run's")
+    del saved["fused_head_loss"]  # a checkpoint from before the setting: only what it holds is compared
+    assert "fused_head_loss" not in train.resume_note(train.TrainConfig(fused_head_loss=True), saved)
+    assert train.resume_note(train.TrainConfig(fp8_linear=True), None) is None  # saved without settings
 
 
 def test_model_presets_and_forward():

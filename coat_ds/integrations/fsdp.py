@@ -54,7 +54,8 @@ from torch.distributed.tensor import DTensor
 from ..activation import compress_activations
 from ..io.checkpoint_folders import find_checkpoint, report_skipped, staged_save
 from ..io.faults import fault_point
-from ..io.safe_load import CheckpointError, load_dcp_metadata, reading_file, weights_only_loads
+from ..io.safe_load import (CheckpointError, check_load_environment, load_dcp_metadata, reading_file,
+                            weights_only_loads)
 from ..config import ActivationConfig
 from ..optim.sharded import mark_global_numel
 from ..optim.state import MOMENTS
@@ -290,16 +291,20 @@ def _state(model: nn.Module, optim) -> dict:
     return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
 
 
-def save_checkpoint(path: str | os.PathLike, model: nn.Module, optim, step: int) -> str:
+def save_checkpoint(path: str | os.PathLike, model: nn.Module, optim, step: int,
+                    client_state: dict | None = None) -> str:
     """Save model, optimizer and `step` as a DCP checkpoint folder `path` (call on every rank).
 
     Written as `.<name>.partial` next to `path` and renamed to `path`, with its completion
     record, once every rank has finished; the parent's `latest` then names it. Refuses an
-    existing `path` (see `coat_ds.io.checkpoint_folders`). Returns the folder."""
+    existing `path` (see `coat_ds.io.checkpoint_folders`). `client_state` (JSON values, such
+    as a run's settings) goes into the completion record: `read_record(folder)["client_state"]`.
+    Returns the folder."""
     state = _state(model, optim)
     state["train"] = {"step": torch.tensor(int(step), dtype=torch.int64)}
     final = os.path.abspath(os.fspath(path))
-    with staged_save(final, step, engine="fsdp1" if is_fsdp1(model) else "fsdp2") as staging:
+    engine = "fsdp1" if is_fsdp1(model) else "fsdp2"
+    with staged_save(final, step, engine=engine, client_state=client_state) as staging:
         writer = dcp.FileSystemWriter(staging)
         writer.fs = _GuardedFileSystem()
         dcp.save(state, storage_writer=writer)
@@ -325,6 +330,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optim, trust_chec
 def load_checkpoint_folder(folder: str | os.PathLike, model: nn.Module, optim, trust_checkpoint: bool = False) -> int:
     """`load_checkpoint` of the checkpoint folder `resolve_checkpoint` returned, without
     searching or verifying it again; returns the saved step."""
+    check_load_environment(trust_checkpoint)  # inside dcp.load, the refusal would come wrapped per rank
     state = _state(model, optim)
     state["train"] = {"step": torch.zeros((), dtype=torch.int64)}
     reader = _Reader(folder, trust_checkpoint)

@@ -10,8 +10,8 @@ Layout of a save folder (DeepSpeed and FSDP alike):
 
 `staged_save(save_dir/stepN, step)` is the one way our code writes a checkpoint: every rank
 writes into `.stepN.partial`; when all of them have finished (a collective), rank 0 writes the
-completion record (`coat_ds_checkpoint.json`: step, world size, every file with its size) last,
-renames the folder to `stepN` and then points `latest` at it. A save never touches an existing
+completion record (`coat_ds_checkpoint.json`: step, world size, every file with its size, any
+client state given) last, renames the folder to `stepN` and then points `latest` at it. A save never touches an existing
 `stepN`: it fails before writing anything. A kill while `latest` is written leaves a
 `.latest.*.tmp` file, which the next save removes.
 
@@ -112,12 +112,16 @@ def _synced_files(folder: str) -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def staged_save(final: str | os.PathLike, step: int, engine: str = "") -> Iterator[str]:
+def staged_save(final: str | os.PathLike, step: int, engine: str = "",
+                client_state: dict | None = None) -> Iterator[str]:
     """Call on every rank; yields the staging folder the engine writes into. On leaving the
     block without an exception on any rank, the checkpoint appears at `final` with its
-    completion record and `latest` names it; otherwise `final` is not created and every rank
-    raises. `final` must not exist yet."""
+    completion record (holding rank 0's `client_state`, JSON values, when given) and `latest`
+    names it; otherwise `final` is not created and every rank raises. `final` must not exist
+    yet."""
     final = os.path.abspath(os.fspath(final))
+    if client_state is not None:
+        json.dumps(client_state)  # not JSON: fails here on every rank, not on rank 0 after the writes
     staging = staging_path(final)
     rank, world = _rank_world()
     problem = None  # (exception class, message), decided by rank 0 for every rank
@@ -145,6 +149,8 @@ def staged_save(final: str | os.PathLike, step: int, engine: str = "") -> Iterat
     if rank == 0:
         record = {"format": FORMAT, "name": os.path.basename(final), "step": int(step), "engine": engine,
                   "world_size": world, "saved_at": time.time(), "files": _synced_files(staging)}
+        if client_state is not None:
+            record["client_state"] = client_state
         with atomic_write(os.path.join(staging, RECORD)) as f:
             json.dump(record, f, indent=1)
         os.rename(staging, final)

@@ -18,7 +18,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-__all__ = ["CheckpointError", "weights_only_loads", "reading_file", "load_file", "load_dcp_metadata"]
+__all__ = ["CheckpointError", "check_load_environment", "weights_only_loads", "listed_refusal", "reading_file",
+           "load_file", "load_dcp_metadata"]
 
 
 class CheckpointError(RuntimeError):
@@ -26,12 +27,26 @@ class CheckpointError(RuntimeError):
 
 
 _FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"  # torch reads it at every torch.load
+_FORCE_NO_WEIGHTS_ONLY = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"  # torch refuses every load while both are set
 _TRUST_HINT = ("if you trust where this checkpoint comes from, load it with trust_checkpoint=True "
                "(train.py: --trust-checkpoint)")
 
 
 def _global_name(obj) -> str:
     return f"{obj.__module__}.{obj.__qualname__}"
+
+
+def check_load_environment(trust_checkpoint: bool = False) -> None:
+    """Refuse, naming the variable and the ways out, a weights-only load that torch would fail
+    on: with TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD set (torch's own values: 1, y, yes, true), the
+    switch `weights_only_loads` turns on makes torch refuse every load, sound files included."""
+    value = os.environ.get(_FORCE_NO_WEIGHTS_ONLY, "0")
+    if not trust_checkpoint and value.lower() in ("1", "y", "yes", "true"):
+        raise CheckpointError(
+            f"{_FORCE_NO_WEIGHTS_ONLY}={value} is set in the environment: it asks torch to unpickle whatever a "
+            "checkpoint names, and coat_ds loads checkpoints weights-only unless told to trust them. Unset it "
+            f"(`unset {_FORCE_NO_WEIGHTS_ONLY}`), or, if you trust where the checkpoint comes from, load it with "
+            "trust_checkpoint=True (train.py: --trust-checkpoint)")
 
 
 @contextlib.contextmanager
@@ -43,6 +58,7 @@ def weights_only_loads(trust_checkpoint: bool = False, allowed: Sequence = ()) -
     if trust_checkpoint:
         yield
         return
+    check_load_environment()
     before = os.environ.get(_FORCE_WEIGHTS_ONLY)
     os.environ[_FORCE_WEIGHTS_ONLY] = "1"
     try:
@@ -61,15 +77,29 @@ def _refusal(path, names: Sequence[str]) -> CheckpointError:
                            f"{_TRUST_HINT}")
 
 
-def _weights_only_refusal(path, source, error: Exception) -> CheckpointError:
-    """The refusal of the torch.save file `source` (path or stream): the globals it holds that
-    weights-only unpickling does not allow, else torch's own words for what it refused."""
+def _unsafe_globals(source) -> list[str]:
+    """The globals the torch.save file `source` (path or stream) names that weights-only
+    unpickling does not allow, read from its pickle alone ([] for a file that cannot be listed)."""
     try:
         if hasattr(source, "seek"):
             source.seek(0)
-        names = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(source))
-    except Exception:  # a legacy (non-zip) file cannot be listed
-        names = []
+        return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(source))
+    except Exception:  # a legacy (non-zip) or damaged file cannot be listed
+        return []
+
+
+def listed_refusal(path) -> CheckpointError | None:
+    """The refusal a weights-only load of the torch.save file `path` would raise for a global
+    its pickle names, found without reading its tensors (call inside `weights_only_loads`, so
+    that those it allows are not listed); None when none is found."""
+    names = _unsafe_globals(path)
+    return _refusal(path, names) if names else None
+
+
+def _weights_only_refusal(path, source, error: Exception) -> CheckpointError:
+    """The refusal of the torch.save file `source` (path or stream): the globals it holds that
+    weights-only unpickling does not allow, else torch's own words for what it refused."""
+    names = _unsafe_globals(source)
     if names:
         return _refusal(path, names)
     found = re.search(r"WeightsUnpickler error: (.*?)(?: Please use|\n|$)", str(error))

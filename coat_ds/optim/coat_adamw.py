@@ -64,7 +64,10 @@ class CoatAdamW(InBackwardMethods, torch.optim.Optimizer):
     A drop-in for `torch.optim.AdamW` (decoupled weight decay, bias correction) on float32
     parameters (a BF16/FP16 parameter is refused at the first step). Every option below may
     also be set per param group. On CUDA the step is one fused Triton launch per (dtype,
-    step) bucket of a param group; elsewhere the pure-torch reference.
+    step) bucket of a param group. On host tensors (CPU training, ZeRO-Offload) it is a fused
+    C++ kernel, compiled with the system's C++ compiler on first use and cached
+    (coat_ds/kernels/host.py; COAT_DS_HOST_KERNEL_DISABLE=1 turns it off); where it cannot
+    build, and on other devices, the pure-torch reference, which computes the same.
 
     Args:
         lr, betas, eps, weight_decay: as `torch.optim.AdamW` (`lr` may be a one-element tensor).
@@ -78,7 +81,8 @@ class CoatAdamW(InBackwardMethods, torch.optim.Optimizer):
             `nonfinite_groups()` and reported by a rate-limited RuntimeWarning. "raise":
             checks the gradients first (host syncs) and raises FloatingPointError before
             anything changes.
-        backend: "auto", "triton" or "torch".
+        backend: "auto" (Triton on CUDA, else as "torch"), "triton" or "torch" (the C++ step
+            on host tensors, the pure-torch reference elsewhere).
         step_in_backward: step each parameter during backward, as soon as its gradient is
             complete, and free that gradient (optim/in_backward.py; docs/optimizer.md).
             `step()` then closes the step; `accumulating()` holds the step back for

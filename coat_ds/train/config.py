@@ -169,7 +169,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     docs = field_docs(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
         flag = f"--{f.name.replace('_', '-')}"
-        helptext = f"{docs.get(f.name, f.name)} (default: {_shown(f.default)})"
+        # argparse %-formats help text: a literal % (the comments hold some) is written %%.
+        helptext = f"{docs.get(f.name, f.name)} (default: {_shown(f.default)})".replace("%", "%%")
         names = [flag] + ([f"--{f.name}"] if "_" in f.name else [])
         for i, name in enumerate(names):
             shown = helptext if i == 0 else argparse.SUPPRESS

@@ -3,9 +3,9 @@
 The default corpus is the running interpreter's own standard library (its .py files), found
 through `sysconfig`: real text on every machine with Python. Files go to train or validation
 by a hash of their relative path, so the split never depends on walk order. A user's text file
-(bytes, last `val_fraction` held out) or a pre-tokenised `.bin` (numpy array, nanoGPT-style)
-works too. A batch is a pure function of (seed, step, rank, micro-step), so a resumed run sees
-exactly the batches an uninterrupted one would.
+(bytes, last `val_fraction` held out) or a pre-tokenised `.bin` (a raw integer array, as
+nanoGPT writes it) works too. A batch is a pure function of (seed, step, rank, micro-step), so
+a resumed run sees exactly the batches an uninterrupted one would.
 """
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import sysconfig
 import zlib
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 __all__ = ["DataConfig", "TokenData", "load_data", "stdlib_corpus", "batch_seed"]
@@ -98,6 +97,17 @@ def _bytes_tensor(b: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(b), dtype=torch.uint8)
 
 
+def _read_bin(path: str, dtype_name: str) -> torch.Tensor:
+    """The tokens of a raw `.bin` array of `dtype_name` (native byte order), as int64; read
+    by torch, so that the FSDP path needs no numpy."""
+    dtype = getattr(torch, dtype_name)
+    size, item = os.path.getsize(path), dtype.itemsize
+    if size == 0 or size % item:
+        raise ValueError(f"{path}: {size} bytes, not a whole non-zero number of {dtype_name} tokens "
+                         f"({item} bytes each); is bin_dtype right?")
+    return torch.from_file(path, shared=False, size=size // item, dtype=dtype).to(torch.int64)
+
+
 def load_data(cfg: DataConfig) -> TokenData:
     if cfg.source == "stdlib":
         train, val, n = stdlib_corpus(cfg.max_bytes, cfg.val_fraction)
@@ -106,8 +116,7 @@ def load_data(cfg: DataConfig) -> TokenData:
     if not os.path.isfile(cfg.source):
         raise FileNotFoundError(f"data source not found: {cfg.source} (use 'stdlib', a text file or a .bin)")
     if cfg.source.endswith(".bin"):
-        arr = np.memmap(cfg.source, dtype=np.dtype(cfg.bin_dtype), mode="r")
-        tokens = torch.from_numpy(np.asarray(arr, dtype=np.int64))
+        tokens = _read_bin(cfg.source, cfg.bin_dtype)
         vocab = int(tokens.max()) + 1
     else:
         with open(cfg.source, "rb") as f:

@@ -14,8 +14,8 @@ import torch
 
 from ..config.checks import ConfigError, boolean, choice, integer, number
 from ..config import AdamWHyperparams
-from ..integrations.deepspeed.config import (OPTIMIZERS, batch_sizes, gradient_clipping, load_ds_config, precision,
-                                             zero_stage)
+from ..integrations.deepspeed.config import (OPTIMIZERS, batch_sizes, check_zero_keys, gradient_clipping,
+                                             load_ds_config, precision, zero_stage)
 from ..integrations.deepspeed.engine import optimizer_settings
 from ..optim.state import state_bytes
 
@@ -74,6 +74,8 @@ def read_ds_settings(path, world_size: int, engine: str = "fsdp") -> DsTrainSett
         micro, accum = batch_sizes(ds, world_size)
         bf16, fp16 = precision(ds)
         kind, params = optimizer_settings(ds, "", engine)
+        if engine == "fsdp":  # DeepSpeed checks them itself, by its installed version's rules
+            check_zero_keys(ds)
         return DsTrainSettings(engine, micro, accum, gradient_clipping(ds), bf16, fp16, zero_stage(ds), kind, params)
     except ConfigError as e:
         raise ConfigError(e.key, e.value, e.allowed, _where(path)) from None

@@ -34,12 +34,13 @@ import itertools
 import os
 
 import torch
+import torch.distributed as dist
 
 from ..._compat.deepspeed import refresh_lp_params, set_full_fp32_param, zero3_param_groups_filled, zero_layout
 from ...io.atomic import atomic_write
 from ...io.checkpoint_folders import Found, find_checkpoint, report_skipped, staged_save
 from ...io.faults import fault_point
-from ...io.safe_load import CheckpointError, load_file, reading_file, weights_only_loads
+from ...io.safe_load import CheckpointError, listed_refusal, load_file, reading_file, weights_only_loads
 from ...optim import state as st
 from .engine import coat_optimizer, group_state_config, local_partitions
 
@@ -88,6 +89,23 @@ def _tag_dir(load_dir: str, tag: str | None, trust_checkpoint: bool = False) -> 
 def _read(path: str, trust_checkpoint: bool = False):
     """torch.load of one checkpoint file (weights-only unless trusted), failing with its path."""
     return load_file(path, trust_checkpoint, () if trust_checkpoint else _deepspeed_globals())
+
+
+def _refuse_on_every_rank(ckpt_dir: str) -> None:
+    """Raise on every rank alike the first weights-only refusal among the folder's files, each
+    rank listing its share of them from their pickles alone (no tensor is read). Refused only
+    where DeepSpeed reads it, a rank's own optimizer file would end that rank alone: the others
+    would load theirs, report the resume and then die on a closed connection."""
+    files = sorted(os.path.join(ckpt_dir, f) for f in os.listdir(ckpt_dir) if f.endswith(".pt"))
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    with _deepspeed_loads(False):
+        mine = next((str(e) for e in map(listed_refusal, files[rank::world]) if e is not None), None)
+    found = [mine] * world
+    if world > 1:
+        dist.all_gather_object(found, mine)
+    refusal = next((m for m in found if m), None)
+    if refusal:
+        raise CheckpointError(refusal)
 
 
 def _model_state(ckpt_dir: str, trust_checkpoint: bool = False) -> dict:
@@ -290,7 +308,9 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None,
     checkpoint folder. Every file is read weights-only, DeepSpeed's own reads included, unless
     `trust_checkpoint`. Returns (the checkpoint folder loaded, client_state)."""
     ckpt_dir = _tag_dir(load_dir, tag, trust_checkpoint)
-    if saved_world_size(ckpt_dir, trust_checkpoint=trust_checkpoint) == engine.dp_world_size:
+    if not trust_checkpoint:
+        _refuse_on_every_rank(ckpt_dir)
+    if int(_model_state(ckpt_dir, trust_checkpoint)["dp_world_size"]) == engine.dp_world_size:
         with _guarded_files(engine, trust_checkpoint), _deepspeed_loads(trust_checkpoint):
             path, client_state = engine.load_checkpoint(os.path.dirname(ckpt_dir), tag=os.path.basename(ckpt_dir))
         if path is None:

@@ -27,7 +27,8 @@ from ...config.checks import ConfigError, boolean, integer, number
 from ...optim.coat_adamw import CoatAdamW
 
 __all__ = ["load_ds_config", "bf16_key", "precision", "gradient_clipping", "batch_sizes", "batch_keys", "zero_stage",
-           "check_keys", "OPTIMIZERS", "OPTIMIZER_ARGUMENTS", "DEEPSPEED_ONLY_ADAM_KEYS", "optimizer_section"]
+           "ZERO_KEYS", "check_zero_keys", "check_keys", "OPTIMIZERS", "OPTIMIZER_ARGUMENTS", "DEEPSPEED_ONLY_ADAM_KEYS",
+           "optimizer_section"]
 
 # DeepSpeed's default when the key is absent (deepspeed/runtime/constants.py): clip at 1.0.
 _CLIP_DEFAULT = 1.0
@@ -139,6 +140,33 @@ def batch_keys(ds: dict, where: str = "") -> tuple[int | None, int | None, int |
     TypeError that names no key."""
     keys = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
     return tuple(None if ds.get(k) is None else integer(k, ds[k], lo=1, where=where) for k in keys)
+
+
+# The keys DeepSpeed takes in `zero_optimization` (the fields of its DeepSpeedZeroConfig and their
+# aliases, as of 0.19.8; it refuses any other), for the FSDP engine, which reads only `stage` and
+# must not import DeepSpeed; tests/test_deepspeed_config.py holds them to the installed DeepSpeed's.
+ZERO_KEYS = (
+    "stage", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "use_multi_rank_bucket_allreduce",
+    "allgather_partitions", "allgather_bucket_size", "overlap_comm", "compute_grad_norm", "load_from_fp32_weights",
+    "elastic_checkpoint", "offload_param", "offload_optimizer", "zenflow", "sub_group_size", "cpu_offload_param",
+    "cpu_offload_use_pin_memory", "cpu_offload", "prefetch_bucket_size", "stage3_prefetch_bucket_size",
+    "param_persistence_threshold", "stage3_param_persistence_threshold", "model_persistence_threshold",
+    "stage3_model_persistence_threshold", "max_live_parameters", "stage3_max_live_parameters", "max_reuse_distance",
+    "stage3_max_reuse_distance", "gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
+    "module_granularity_threshold", "stage3_module_granularity_threshold", "use_all_reduce_for_fetch_params",
+    "stage3_use_all_reduce_for_fetch_params", "allgather_sequential", "stage3_allgather_sequential",
+    "stage3_gather_fp16_weights_on_model_save", "ignore_unused_parameters", "legacy_stage1", "round_robin_gradients",
+    "parameter_alignment", "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+    "zero_quantized_gradients", "memory_efficient_linear", "pipeline_loading_checkpoint", "override_module_apply",
+    "log_trace_cache_warnings", "enable_sanity_checks", "save_muon_momentum_buffer_in_memory", "leaf_module")
+
+
+def check_zero_keys(ds: dict, where: str = "") -> None:
+    """Refuse a key of `zero_optimization` outside ZERO_KEYS, naming it and the valid ones, as
+    DeepSpeed does (where the section is no object, `zero_stage` says so)."""
+    section = ds.get("zero_optimization")
+    if isinstance(section, dict):
+        check_keys("zero_optimization", section, ZERO_KEYS, source=where)
 
 
 def zero_stage(ds: dict, where: str = "") -> int:

@@ -31,7 +31,8 @@ from ...config import OptimStateConfig
 from ...optim import CoatAdamW
 from ...optim import state as st
 from ...config.shipped import find_ds_config
-from .config import OPTIMIZER_ARGUMENTS, batch_keys, bf16_key, load_ds_config, optimizer_section, precision
+from .config import (OPTIMIZER_ARGUMENTS, batch_keys, bf16_key, gradient_clipping, load_ds_config, optimizer_section,
+                     precision, zero_stage)
 from .registry import mark_zero_tested
 
 __all__ = [
@@ -61,13 +62,18 @@ def prepare_config(config) -> tuple[dict, dict | None]:
     """Split a DeepSpeed config (dict or JSON path) into what DeepSpeed should see and the
     CoatAdamW keyword arguments (None when the config names another optimizer or none).
 
-    Raises ValueError, naming the key, for a batch size that is not an integer, for an
-    unknown optimizer parameter and for settings whose checkpoint code would corrupt FP8
-    state (`elastic_checkpoint`, universal load) or that cannot host it (NVMe optimizer
-    offload). Warns about top-level keys DeepSpeed does not know."""
+    Raises ValueError, naming the key, for a value that DeepSpeed would misread or fail on
+    without naming it (batch sizes, clipping, precision, ZeRO stage: checked as for the FSDP
+    engine, by `coat_ds.integrations.deepspeed.config`), for an unknown optimizer parameter and for settings
+    whose checkpoint code would corrupt FP8 state (`elastic_checkpoint`, universal load) or
+    that cannot host it (NVMe optimizer offload). Warns about top-level keys DeepSpeed does
+    not know."""
     ds = load_ds_config(config)
     where = os.fspath(config) if isinstance(config, (str, os.PathLike)) else "DeepSpeed config"
     batch_keys(ds, where)
+    gradient_clipping(ds, where)
+    bf16_enabled = precision(ds, where)[0]
+    zero_stage(ds, where)
     # Only CoatAdamW is ours to build; DeepSpeed builds and checks any other optimizer.
     found = optimizer_section(ds, where, checked=(OPTIMIZER_TYPE,), pass_others=True)
     if found is None or found[0] != OPTIMIZER_TYPE:
@@ -95,7 +101,7 @@ def prepare_config(config) -> tuple[dict, dict | None]:
         # Otherwise DeepSpeed insists on its own DeepSpeedCPUAdam for offloaded states.
         ds["zero_force_ds_cpu_optimizer"] = False
     bf16 = bf16_key(ds)
-    if (precision(ds, where)[0] and zero.get("stage", 0) in (1, 2) and offload == "none"
+    if (bf16_enabled and zero.get("stage", 0) in (1, 2) and offload == "none"
             and zero.get("compute_grad_norm", True) and "check_grad_overflow" not in ds[bf16]):
         # CoatAdamW skips a step with a non-finite global norm itself (_skip_overflowed_steps),
         # without the host sync and per-tensor kernels of DeepSpeed's check.
