@@ -63,11 +63,10 @@ class CoatAdamW(InBackwardMethods, torch.optim.Optimizer):
 
     A drop-in for `torch.optim.AdamW` (decoupled weight decay, bias correction) on float32
     parameters (a BF16/FP16 parameter is refused at the first step). Every option below may
-    also be set per param group. On CUDA the step is one fused Triton launch per (dtype,
-    step) bucket of a param group. On host tensors (CPU training, ZeRO-Offload) it is a fused
-    C++ kernel, compiled with the system's C++ compiler on first use and cached
-    (coat_ds/kernels/host.py; COAT_DS_HOST_KERNEL_DISABLE=1 turns it off); where it cannot
-    build, and on other devices, the pure-torch reference, which computes the same.
+    also be set per param group. The step is one fused Triton launch per (dtype, step) bucket
+    of a param group on CUDA, a fused C++ kernel on host tensors (CPU training, ZeRO-Offload;
+    coat_ds/kernels/host.py, built on first use, off with COAT_DS_HOST_KERNEL_DISABLE=1), and
+    the pure-torch reference, which computes the same, where neither runs.
 
     Args:
         lr, betas, eps, weight_decay: as `torch.optim.AdamW` (`lr` may be a one-element tensor).
@@ -81,8 +80,7 @@ class CoatAdamW(InBackwardMethods, torch.optim.Optimizer):
             `nonfinite_groups()` and reported by a rate-limited RuntimeWarning. "raise":
             checks the gradients first (host syncs) and raises FloatingPointError before
             anything changes.
-        backend: "auto" (Triton on CUDA, else as "torch"), "triton" or "torch" (the C++ step
-            on host tensors, the pure-torch reference elsewhere).
+        backend: "auto" (Triton on CUDA, else as "torch"), "triton" or "torch" (host: C++).
         step_in_backward: step each parameter during backward, as soon as its gradient is
             complete, and free that gradient (optim/in_backward.py; docs/optimizer.md).
             `step()` then closes the step; `accumulating()` holds the step back for
@@ -144,8 +142,7 @@ class CoatAdamW(InBackwardMethods, torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         _, cfg = self._validate(group)
-        group["first_moment_format"] = cfg.first_moment_format
-        group["second_moment_format"] = cfg.second_moment_format
+        group["first_moment_format"], group["second_moment_format"] = cfg.first_moment_format, cfg.second_moment_format
         if self._in_backward is not None:
             self._in_backward.watch(len(self.param_groups) - 1, group["params"])
 
