@@ -64,7 +64,7 @@ def gpu_case(case: str, shapes, name: str, iters: int) -> dict:
         p.grad = torch.randn_like(p) * 1e-3
     before = torch.cuda.memory_allocated()
     opt = make_optimizer(name, params)
-    if name == "coat_portable":  # imported here only: trees before issue 17 lack it (--tree)
+    if name == "coat_portable":  # imported here only: older trees lack it (--tree)
         from coat_ds.kernels import set_fp8_conversions
 
         set_fp8_conversions("portable")

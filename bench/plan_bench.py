@@ -18,7 +18,7 @@ the ratios), each in a process of its own.
 The planner measures at the benchmark's micro-batch and at half of it (each cost a line in
 the micro-batch) and plans over micro-batches 1, 2, 4, ... up to the benchmark's; a plan
 identical to one already run is not run again. The budget 'ckpt' is full checkpointing's
-measured peak (issue 18: the plan's tokens/s at that memory against checkpointing's). Predictions are shown
+measured peak (the plan's tokens/s at that memory against checkpointing's). Predictions are shown
 for the rows trained with CoatAdamW (compress-all and the plans), the optimizer the
 measurement run used; the BF16 rows train with torch AdamW's FP32 moments."""
 from __future__ import annotations
@@ -168,7 +168,7 @@ def bench_shape(args, shape: str, workdir: str) -> list[dict]:
     ckpt = next((r for r in rows if r["side"] == "bf16_ckpt" and "peak_gb" in r), None)
     micro_batches = tuple(2 ** k for k in range(args.bs.bit_length()) if 2 ** k <= args.bs)
     for spec in args.budgets:
-        if spec == "ckpt":  # issue 18's second target: full checkpointing's own memory
+        if spec == "ckpt":  # full checkpointing's own memory
             if ckpt is None:
                 continue
             frac, label = ckpt["peak_gb"] / base["peak_gb"], "plan@ckpt"
