@@ -33,8 +33,8 @@ SHAPES = {
     # TinyLlama-1.1B's shape (GQA 32/4), the activation bench's model.
     "1.1b": dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4,
                  num_hidden_layers=22, vocab_size=32000),
-    # A small model a user fine-tunes first (~134M with the 32000 vocabulary), timed eagerly
-    # at bs 16 x 512.
+    # A small model a user fine-tunes first (~134M with the 32000 vocabulary; timed
+    # eagerly at bs 16 x 512).
     "110m": dict(hidden_size=768, intermediate_size=2048, num_attention_heads=12, num_key_value_heads=12,
                  num_hidden_layers=12, vocab_size=32000),
     # Between them (train.py's 350m preset's width and depth, HF's 2.75x MLP).

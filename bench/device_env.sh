@@ -1,5 +1,5 @@
-# The device machine's environment, from the repo root: installs the carried wheels (.whl/, made
-# here by bench/prepare_wheels.sh; SKIP_WHEELS=1 skips that, for a CPU dry run), puts this
+# A GPU machine's environment, from the repo root: installs the wheels in .whl/ (made by
+# bench/prepare_wheels.sh; SKIP_WHEELS=1 skips that, for a CPU dry run), puts this
 # checkout first on the path, keeps NVLink multicast off, and sets PYTHON and NGPU (default:
 # every GPU). Sourced, it only sets that up. Run, it runs its arguments in it, or with none the
 # GPU test files and the tests marked gpu, a summary last:
@@ -11,7 +11,7 @@ if [ -z "${SKIP_WHEELS:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then
     export PYTHONPATH=/tmp/site:${PYTHONPATH:-} PATH=/tmp/site/bin:$PATH
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 DS_ACCELERATOR=${DS_ACCELERATOR:-cuda}
-# NVLink multicast stays off on shared hosts.
+# NVLink multicast stays off: on a host whose GPUs others share, a program using it can take them out of service.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NGPU=${NGPU:-$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')}
 export NGPU

@@ -168,7 +168,7 @@ def bench_shape(args, shape: str, workdir: str) -> list[dict]:
     ckpt = next((r for r in rows if r["side"] == "bf16_ckpt" and "peak_gb" in r), None)
     micro_batches = tuple(2 ** k for k in range(args.bs.bit_length()) if 2 ** k <= args.bs)
     for spec in args.budgets:
-        if spec == "ckpt":  # a budget of full checkpointing's own memory
+        if spec == "ckpt":  # full checkpointing's own memory
             if ckpt is None:
                 continue
             frac, label = ckpt["peak_gb"] / base["peak_gb"], "plan@ckpt"

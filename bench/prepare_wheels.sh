@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Run HERE (not on the GPU machine): put DeepSpeed and the packages it needs that the device
-# image lacks (hjson, pydantic, pydantic-core, annotated-types, typing-inspection), and the
-# peers we compare with (torchao 0.17.0, built for the image's torch 2.11; bitsandbytes 0.50.2,
-# the largest: WITH_BNB=0 leaves it out where what travels with the checkout is size-limited)
-# into .whl/ as Python 3.12 x86-64 wheels. .whl/ is git-ignored and travels with the checkout.
+# Run on a machine with network access, before a GPU run on a machine without: puts DeepSpeed
+# and the packages it needs that a GPU image may lack (hjson, pydantic, pydantic-core,
+# annotated-types, typing-inspection), and the peers we compare with (torchao 0.17.0, built for
+# torch 2.11; bitsandbytes 0.50.2, 43 MB: WITH_BNB=0 leaves it out) into .whl/ as Python 3.12
+# x86-64 wheels. .whl/ is git-ignored; copy it with the checkout, and bench/device_env.sh installs it.
 # DeepSpeed ships only an sdist, so it is built into a pure-Python wheel with no pre-built ops
 # (DS_BUILD_OPS=0: ops are JIT-built if ever needed; CoatAdamW and torch AdamW need none).
 set -euo pipefail

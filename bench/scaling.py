@@ -57,7 +57,7 @@ def ngpu() -> int:
 
 def with_micro_batch(name: str, micro: int, tag: str = "", edit=None) -> str:
     """The shipped JSON (CPU-sized) with the benchmark's micro-batch (and `edit` applied to it,
-    named by `tag`), outside --out: the device tool returns a limited number of files."""
+    named by `tag`), in the temporary directory: --out keeps only logs, metrics and the table."""
     cfg = json.load(open(C.ROOT / "ds_configs" / f"{name}.json"))
     cfg["train_micro_batch_size_per_gpu"] = micro
     if edit is not None:

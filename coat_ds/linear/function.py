@@ -78,7 +78,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             # copy comes from the custom op even when compiling: AOTAutograd would recompute
             # a twin's cast of a parameter in backward rather than save it. Otherwise,
             # compiled, the twin's cast measured as fast at 7B shapes and faster at ~1B
-            # (benchmarks.md, 2026-11-24).
+            # (docs/history/benchmarks-2026-11.md).
             if keep_w:
                 wq, wq_t, ew = get_linear_ops(x.device, backend, opaque=True)(weight, f_w, True, True, guess=w_guess)
             else:
@@ -133,7 +133,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             # Split, the maxima of sibling output gradients (gate's and up's, from one
             # SiLU-mul backward) are computed in one kernel that recomputes their producer;
             # unsplit, Inductor had the producer write both in BF16 for two max kernels to
-            # read (-0.46 ms per 7B layer on an H100; docs/benchmarks.md).
+            # read (-0.46 ms per 7B layer on an H100; docs/history/benchmarks-2026-11.md).
             gq, gq_t, eg = quantize(gy, f_g, need_dx, need_dw, split=_MAX_SPLIT)
             sg = _pow2(eg)
             if ctx.scales is not None and ctx.scales[0] is ex and ctx.scales[2] is ew:

@@ -8,7 +8,7 @@ recipe, so its siblings reuse the codes and save the same tensor for backward.
 
 Under torch.compile nothing is remembered: the traced graph holds the same computation
 three times, and AOTAutograd's CSE merges it into one node (Inductor may still write that
-node's codes once per GEMM reading them; docs/benchmarks.md). The entry is dropped when any
+node's codes once per GEMM reading them; docs/history/benchmarks-2026-11.md). The entry is dropped when any
 converted layer's backward starts (forward is over by then), so the last codes of a
 forward do not stay alive through backward; without a backward (inference) one entry stays
 until the next input.
