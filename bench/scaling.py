@@ -3,6 +3,7 @@ memory profiler at 7B and 13B. Run through bench/device_env.sh (wheels, path, NC
 
     bash bench/device_env.sh python bench/scaling.py deepspeed coat_zero2 bf16_zero2 --steps 40
     bash bench/device_env.sh python bench/scaling.py deepspeed coat_zero2 bf16_zero2 --flags=--compile --coat-flags="--fp8-linear --compress-activations --fused-head-loss"
+    bash bench/device_env.sh python bench/scaling.py deepspeed coat_zero3 bf16_zero3 --micro 6 --tokens 8000000 --flags="--preset 7b --compile" --coat-flags="--recipe speed"
     python bench/scaling.py summary DIR                 # one table from the .jsonl of several calls
     bash bench/device_env.sh python bench/scaling.py compile --preset 7b --mb 6 --runs bf16_compiled coat_compiled
     bash bench/device_env.sh python bench/scaling.py profile p7b_zero3 p13b_fsdp2 train7b_fsdp2 --limit 420
@@ -68,10 +69,11 @@ def with_micro_batch(name: str, micro: int, tag: str = "", edit=None) -> str:
 
 
 def run_deepspeed(args) -> list[str]:
+    data = ["--data", token_file(32000, args.tokens), "--bin-dtype", "uint16"] if args.tokens else []
     for name in args.configs:
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ngpu()), "--master_port", "29512",
                "train.py", "--deepspeed", with_micro_batch(name, args.micro), "--config", args.model_config,
-               "--max-steps", str(args.steps), "--seq-len", str(args.seq),
+               "--max-steps", str(args.steps), "--seq-len", str(args.seq), *data,
                "--metrics-file", os.path.join(args.out, f"{name}.jsonl"), *args.flags.split(),
                *(args.coat_flags.split() if name.startswith("coat_") else [])]
         print(f"{name}: exit {launch(cmd, os.path.join(args.out, name + '.log'), args.limit)}", flush=True)
@@ -314,7 +316,9 @@ def main(argv=None) -> None:
     d.add_argument("--model-config", default="configs/1b.yaml")
     d.add_argument("--flags", default="", help="train.py flags for every config (one string: \"--compile\")")
     d.add_argument("--coat-flags", default="", help="train.py flags for the coat_ configs only "
-                   "(\"--fp8-linear --compress-activations --fused-head-loss\")")
+                   "(\"--fp8-linear --compress-activations --fused-head-loss\", \"--recipe speed\")")
+    d.add_argument("--tokens", type=int, default=0, help="train on this many random tokens of a 32000 vocabulary "
+                   "(0: the model config's data)")
     s = sub.add_parser("summary", help="the deepspeed table of a folder of .jsonl")
     s.add_argument("folder")
     c = sub.add_parser("compile", help="train.py --fsdp, BF16 and COAT, eager and compiled")

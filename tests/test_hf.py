@@ -20,7 +20,7 @@ from helpers import end_worker, free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-STEPS, SAVE_AT = 4, 2
+STEPS, SAVE_AT, ACCUMULATE = 4, 2, 2
 LR = 3e-3
 
 
@@ -79,19 +79,29 @@ def _digest(engine) -> str:
     return h.hexdigest()
 
 
+# The JSON route trains a model prepared by coat_ds.prepare (the fused head loss among its
+# edits, which Trainer's default remove_unused_columns once emptied every batch for), with
+# gradient checkpointing; the other routes train the model as built.
+RECIPES = {2: "memory", 3: "speed"}
+
+
 def _trainer(out: str, stage: int, route: str, **extra):
     import coat_ds
     from transformers import Trainer, TrainingArguments
 
     _reset_hf_state()
+    model = _model()
+    if route == "json":
+        coat_ds.prepare(model, RECIPES[stage])
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=STEPS, learning_rate=LR,
                              weight_decay=0.1, adam_beta2=0.95, logging_steps=1, save_steps=SAVE_AT,
                              report_to=[], deepspeed=ds_config(stage, optimizer=route == "json"), seed=0,
-                             disable_tqdm=True, save_only_model=False)
+                             disable_tqdm=True, save_only_model=False, gradient_accumulation_steps=ACCUMULATE,
+                             gradient_checkpointing=route == "json")
     if route == "cls":
         extra["optimizer_cls_and_kwargs"] = (coat_ds.CoatAdamW, {"lr": LR, "betas": (0.9, 0.95),
                                                                   "weight_decay": 0.1, "min_quant_numel": 256})
-    return Trainer(model=_model(), args=args, train_dataset=_dataset(), **extra)
+    return Trainer(model=model, args=args, train_dataset=_dataset(), **extra)
 
 
 def _steps_run_callback():
@@ -116,6 +126,7 @@ def _losses(trainer) -> dict[int, float]:
 def _trainer_scenario(out: str, stage: int, route: str) -> dict:
     from coat_ds import CoatAdamW
     from coat_ds.integrations.deepspeed.engine import coat_optimizer
+    from coat_ds.loss.fuse import LossHead
 
     run = os.path.join(out, f"trainer_{route}_zero{stage}")
     full = _trainer(run, stage, route)
@@ -123,7 +134,7 @@ def _trainer_scenario(out: str, stage: int, route: str) -> dict:
     engine = full.model_wrapped
     coat = coat_optimizer(engine)
     result = {"coat": isinstance(coat, CoatAdamW), "lr": coat.defaults["lr"], "betas": list(coat.defaults["betas"]),
-              "losses": _losses(full), "digest": _digest(engine)}
+              "losses": _losses(full), "digest": _digest(engine), "fused_head": isinstance(full.model.lm_head, LossHead)}
     resumed = _trainer(run + "_resumed", stage, route)
     steps_run = _steps_run_callback()
     resumed.add_callback(steps_run)
@@ -280,6 +291,20 @@ def test_trainer_deepspeed_uses_coat_and_resumes_bitwise(ranks, stage, route):
         assert resumed == losses
         assert res["resumed_digest"] == res["digest"]
     assert ranks[0][f"{route}_zero{stage}"]["losses"] == ranks[1][f"{route}_zero{stage}"]["losses"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_trainer_with_prepared_model_and_default_columns_trains_like_the_plain_model(ranks, stage):
+    """Trainer's defaults (remove_unused_columns among them) with a prepared model: the head's
+    loss is the fused one (ZeRO-3 gathers its weight inside the head's call), and the first
+    step's loss, before any update, is the plain model's on the same batches to 1e-3 (FP8
+    linears on CPU; compression and checkpointing change only backward)."""
+    for r in ranks:
+        prepared, plain = r[f"json_zero{stage}"], r[f"cls_zero{stage}"]
+        assert prepared["fused_head"] and not plain["fused_head"]
+        first, ref = prepared["losses"]["1"], plain["losses"]["1"]
+        assert abs(first - ref) <= 1e-3 * ref, (first, ref)
 
 
 @pytest.mark.slow
