@@ -19,16 +19,18 @@ from helpers import sqnr_db
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 256
-STEPS = ("head_loss", "fp8_linear", "fuse_norms", "fuse_swiglu", "compress_activations", "recompute")
+STEPS = ("head_loss", "fp8_linear", "fuse_norms", "fuse_swiglu", "compress_activations", "recompute",
+         "compile_regions")
 # What each model takes of the max_memory recipe (every edit); the others take a prefix of it.
 TAKES = {
     "llama": set(STEPS), "mistral": set(STEPS), "qwen2": set(STEPS),
     "gemma": set(STEPS) - {"fuse_norms", "fuse_swiglu"},  # 1 + weight norms; a GELU MLP
-    "gpt2": {"head_loss", "compress_activations", "recompute"},  # Conv1D projections; a GELU MLP
+    "gpt2": {"head_loss", "compress_activations", "recompute", "compile_regions"},  # Conv1D; a GELU MLP
     "own": set(STEPS) - {"fuse_swiglu"},  # w_gate/w_up/w_down, not Hugging Face's names
     "plain": {"fp8_linear", "compress_activations"},
 }
-RECIPE_STEPS = {"speed": set(STEPS[:4]), "memory": set(STEPS[:5]), "max_memory": set(STEPS)}
+RECIPE_STEPS = {"speed": {*STEPS[:4], "compile_regions"}, "memory": {*STEPS[:5], "compile_regions"},
+                "max_memory": set(STEPS)}
 
 
 def _model(kind: str) -> nn.Module:

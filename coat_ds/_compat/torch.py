@@ -18,7 +18,7 @@ from . import warn_once
 
 __all__ = [
     "VERSION", "swap_functorch_options", "has_functorch_option", "set_activation_memory_budget",
-    "activation_memory_budget", "raise_recompile_limit", "current_graph_task_id", "top_saved_tensors_hooks", "inside_checkpoint",
+    "activation_memory_budget", "raise_recompile_limit", "current_graph_task_id", "top_saved_tensors_hooks", "inside_checkpoint", "compiled_on_its_own",
     "TRACED_TENSOR_TYPES", "autograd_node_classes", "flex_attention_backward_node", "detach_unseen",
     "HAS_SAVED_TENSOR_HOOK_CONTEXT", "saved_tensor_hook_context", "static_input_indices", "force_stride_order",
     "HAS_SCALED_MM", "scaled_mm", "queue_backward_callback", "custom_op_function",
@@ -165,6 +165,13 @@ def top_saved_tensors_hooks():
               "non-reentrant checkpoint around its regions and stores FP8 copies inside it (memory only)")
         return None
     return _top_hooks(False)
+
+
+def compiled_on_its_own(module: torch.nn.Module) -> bool:
+    """Whether `module.compile()` compiled this module's calls (nn.Module._compiled_call_impl;
+    checked on 2.11, 2.13), or its forward was replaced on the instance (a compiled or
+    checkpointed forward). Fallback: instance forward only."""
+    return getattr(module, "_compiled_call_impl", None) is not None or "forward" in module.__dict__
 
 
 def inside_checkpoint() -> bool:

@@ -202,6 +202,8 @@ class RecipeConfig:
         head_loss_chunk_tokens: tokens per chunk of the head loss; None: about 256 MiB of logits
         compress_activations: saved activations kept in FP8 with this config (None: off)
         recompute: every decoder layer recomputed in backward, its input kept until then as FP8 codes
+        compile_regions: under a whole-model torch.compile, each decoder layer compiled once on its own,
+            one graph for every layer of its class (less to compile before the first step)
         step_in_backward: the optimizer options the report suggests include CoatAdamW's step_in_backward
             (FSDP2: each parameter stepped, and its gradient freed, as soon as backward has it)
     """
@@ -213,6 +215,7 @@ class RecipeConfig:
     head_loss_chunk_tokens: int | None = None
     compress_activations: ActivationConfig | None = None
     recompute: bool = False
+    compile_regions: bool = False
     step_in_backward: bool = False
 
     def __post_init__(self):
@@ -224,7 +227,7 @@ class RecipeConfig:
                 object.__setattr__(self, name, None)
             elif value is not None and not isinstance(value, cls):
                 raise TypeError(f"{name} must be a bool, None or a {cls.__name__}, got {value!r}")
-        for name in ("fuse_norms", "fuse_swiglu", "head_loss", "recompute", "step_in_backward"):
+        for name in ("fuse_norms", "fuse_swiglu", "head_loss", "recompute", "compile_regions", "step_in_backward"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         chunk = self.head_loss_chunk_tokens
@@ -235,7 +238,7 @@ class RecipeConfig:
     def named(cls, recipe: str, **overrides) -> "RecipeConfig":
         """The recipe `recipe` ("speed", "memory" or "max_memory"), then `overrides` by field name.
 
-        speed: FP8 linears, fused norms and SwiGLU, the fused head loss.
+        speed: FP8 linears, fused norms and SwiGLU, the fused head loss, decoder layers compiled as regions.
         memory: speed + FP8 saved activations.
         max_memory: memory + decoder layers recomputed from FP8 inputs + step in backward."""
         if recipe not in RECIPES:
@@ -244,7 +247,8 @@ class RecipeConfig:
         unknown = sorted(set(overrides) - set(names))
         if unknown:
             raise TypeError(f"unknown recipe setting(s) {unknown}; valid: {', '.join(names)}")
-        values = dict(fp8_linear=Fp8LinearConfig(), fuse_norms=True, fuse_swiglu=True, head_loss=True)
+        values = dict(fp8_linear=Fp8LinearConfig(), fuse_norms=True, fuse_swiglu=True, head_loss=True,
+                      compile_regions=True)
         if recipe != "speed":
             values["compress_activations"] = ActivationConfig()
         if recipe == "max_memory":

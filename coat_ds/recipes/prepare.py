@@ -22,6 +22,7 @@ from ..loss import fuse_lm_head_loss
 from ..loss.fuse import LossHead, hf_causal_lm_class
 from ..plan.layers import decoder_layers
 from ..plan.recompute import is_recomputed, recomputed
+from .regions import compile_regions
 from .report import PrepareReport, Step
 
 __all__ = ["prepare"]
@@ -53,8 +54,9 @@ def prepare(model: nn.Module, recipe: str = "speed", *, module_filter_fn: _Filte
     whether the head's loss is fused.
 
     Under torch.compile: compile after prepare. The fused norms and SwiGLU then run their own
-    torch code (Inductor fuses it); layers recomputed from FP8 inputs keep their checkpoint
-    eager, so compile them with coat_ds.plan.compile_layer rather than the whole model."""
+    torch code (Inductor fuses it). A whole-model compile (Trainer's torch_compile=True)
+    compiles each decoder layer once, on its own (compile_regions); layers recomputed from FP8
+    inputs keep their checkpoint eager, so compile them with coat_ds.plan.compile_layer."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"prepare: model must be an nn.Module, got {type(model).__name__}")
     config = RecipeConfig.named(recipe, **overrides)
@@ -66,7 +68,7 @@ def prepare(model: nn.Module, recipe: str = "speed", *, module_filter_fn: _Filte
     steps = [_head_loss(model, config, keep), _fp8_linear(model, config, keep), _fuse_norms(model, config, keep),
              _fuse_swiglu(model, config, keep)]
     handle, step = _compress(model, config, keep, module_filter_fn is not None)
-    steps += [step, _recompute(model, config, keep)]
+    steps += [step, _recompute(model, config, keep), _regions(model, config, keep)]
     setattr(model, _PREPARED, recipe)
     report = PrepareReport(recipe, _kind(model), tuple(steps),
                            {"step_in_backward": True} if config.step_in_backward else {}, handle)
@@ -200,3 +202,14 @@ def _recompute(model: nn.Module, config: RecipeConfig, keep: _Filter) -> Step:
             layer.forward = recomputed(layer.forward, fp8_input=fp8_input)
     return Step(name, True, f"{len(layers)} decoder layers recomputed in backward from their input kept as "
                             f"{fp8_input.other_format} codes (compile them with coat_ds.plan.compile_layer)")
+
+
+def _regions(model: nn.Module, config: RecipeConfig, keep: _Filter) -> Step:
+    name = "compile_regions"
+    if not config.compile_regions:
+        return _off(name)
+    n = compile_regions(model, module_filter_fn=keep)
+    if not n:
+        return Step(name, False, "no decoder layer list found (or module_filter_fn leaves every layer out)")
+    return Step(name, True, f"{n} decoder layers: under a whole-model torch.compile each compiles on its own, one "
+                            "graph for all (eagerly: no change)")
