@@ -6,13 +6,12 @@ import pytest
 import torch
 
 from coat_ds.kernels import act_codec as codec
-from coat_ds.kernels.act_ops import get_act_ops
+from coat_ds.kernels import get
 from coat_ds.kernels.fp8 import get_format
 
 
 def _triton():
-    return get_act_ops(torch.device("cpu"), "triton") if not torch.cuda.is_available() else get_act_ops(
-        torch.device("cuda"), "triton")
+    return get("act_codec", torch.device("cuda" if torch.cuda.is_available() else "cpu"), "triton")
 
 
 def _data(shape, dtype, device, seed=0):
@@ -100,7 +99,7 @@ def test_triton_decodes_every_code_as_the_definition(fmt, device):
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_zeros_and_extremes_stay_finite(backend):
-    ops = _triton() if backend == "triton" else get_act_ops(torch.device("cpu"), "torch")
+    ops = _triton() if backend == "triton" else get("act_codec", torch.device("cpu"), "torch")
     dev = "cuda" if (backend == "triton" and torch.cuda.is_available()) else "cpu"
     fmax = torch.finfo(torch.float32).max
     x = torch.zeros(4, 32, device=dev)
@@ -150,7 +149,7 @@ def test_launch_cache_key_separates_what_triton_specializes_on():
 def test_non_finite_values_pass_through_and_do_not_set_scales(backend, fmt, device):
     # A masked logit (-inf) used to become its group's (or tensor's) max: the scale went to
     # 2**126 and every finite value of the group decoded to 0.
-    ops = _triton() if backend == "triton" else get_act_ops(torch.device("cpu"), "torch")
+    ops = _triton() if backend == "triton" else get("act_codec", torch.device("cpu"), "torch")
     dev = device if backend == "triton" else "cpu"
     for dtype in (torch.float32, torch.bfloat16):
         x = _data((6, 40), dtype, dev, seed=7)

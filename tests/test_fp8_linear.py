@@ -173,9 +173,9 @@ def test_weight_guess_follows_a_changing_weight():
     the guess state handed in holds the exponent found."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
-    from coat_ds.kernels import layout, ops
+    from coat_ds.kernels import get, layout
 
-    quantize = ops.get_linear_ops(torch.device("cpu"), "triton", opaque=True)
+    quantize = get("fp8_linear", torch.device("cpu"), "triton").quantize_kept
     guess = layout.new_weight_guess(torch.device("cpu"))
     torch.manual_seed(16)
     w = torch.randn(48, 96)

@@ -188,17 +188,17 @@ def _saved_codes(m, x, monkeypatch):
     from coat_ds.linear import function
 
     calls, saved = [], []
-    real = function.get_linear_ops
+    real = function._quantizer
 
-    def counting(device, backend="auto", opaque=False):
-        quantize = real(device, backend, opaque)
+    def counting(device, backend, eager):
+        quantize = real(device, backend, eager)
 
         def wrapped(*args, **kw):
             calls.append(kw.get("amax") is not None)
             return quantize(*args, **kw)
         return wrapped
 
-    monkeypatch.setattr(function, "get_linear_ops", counting)
+    monkeypatch.setattr(function, "_quantizer", counting)
 
     def pack(t):
         saved.append(t)
@@ -206,7 +206,7 @@ def _saved_codes(m, x, monkeypatch):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         m(x.clone().requires_grad_())
-    monkeypatch.setattr(function, "get_linear_ops", real)
+    monkeypatch.setattr(function, "_quantizer", real)
     shared_input.clear()
     return [t for t in saved if t.dtype == torch.uint8], calls
 

@@ -25,7 +25,7 @@ import coat_ds
 from coat_ds import Fp8Linear, Fp8LinearConfig, convert_to_fp8_linear, fuse_swiglu
 from coat_ds.kernels import reference
 from coat_ds.kernels.linear_ops import GEMM_ALIGN
-from coat_ds.kernels.ops import get_linear_ops
+from coat_ds.kernels import get
 from coat_ds.linear import shared_input
 from coat_ds.linear.swiglu import swiglu
 from helpers import sqnr_db
@@ -159,12 +159,10 @@ def test_nonfinite_inputs_do_not_set_the_max():
 def test_quantize_from_the_folded_max_is_the_quantizers_own(backend, fmt):
     """The FP8-linear cast given the max forward folded (no max pass) gives the codes and
     exponent of its own max pass, row-major and transposed (37 rows: padded)."""
-    from coat_ds.kernels.ops import get_swiglu_ops
-
-    forward, _ = get_swiglu_ops(torch.device("cpu"), backend)
+    forward = get("swiglu", torch.device("cpu"), backend).forward
     g, u, _ = _data((37, 96), torch.bfloat16, seed=5)
     h, amax = forward(g, u, True)
-    quantize = get_linear_ops(h.device, backend)
+    quantize = get("fp8_linear", h.device, backend).quantize
     for rowwise in (True, False):
         got = quantize(h, fmt, rowwise, True, amax=amax)
         want = quantize(h, fmt, rowwise, True)
@@ -443,6 +441,7 @@ def test_cuda_kernels_match_the_twins_and_offer_the_quantizers_own_max(dtype):
     shared_input.clear()
     h = swiglu(g, u, down)
     offered = shared_input.offered_max(h)
-    want = get_linear_ops(h.device, "auto")(h.view(-1, 1000), "e4m3", True, True)
-    got = get_linear_ops(h.device, "auto")(h.view(-1, 1000), "e4m3", True, True, amax=offered)
+    quantize = get("fp8_linear", h.device).quantize
+    want = quantize(h.view(-1, 1000), "e4m3", True, True)
+    got = quantize(h.view(-1, 1000), "e4m3", True, True, amax=offered)
     assert all(torch.equal(a, b) for a, b in zip(got, want))

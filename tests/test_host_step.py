@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import coat_ds
-from coat_ds.kernels import AdamWHyper, AdamWSlot, QuantizedGroups, get_ops, group_layout, host, host_native
+from coat_ds.kernels import AdamWHyper, AdamWSlot, QuantizedGroups, get, group_layout, host, host_native
 from coat_ds.kernels import reference as R
 
 
@@ -102,5 +102,5 @@ def test_offloaded_step_hands_the_reference_at_most_a_chunk(monkeypatch, chunked
     opt = coat_ds.CoatAdamW([p], lr=1e-3)
     p.grad = torch.randn_like(p) * 1e-3
     opt.step()
-    assert get_ops(p.device).adamw_step is host.adamw_step
+    assert get("adamw", p.device).step is host.adamw_step
     assert sum(seen) == p.numel() and max(seen) <= host.HOST_CHUNK_ELEMS

@@ -17,7 +17,7 @@ from torch import nn
 
 from .._compat.torch import TRACED_TENSOR_TYPES, autograd_node_classes, detach_unseen, flex_attention_backward_node
 from ..config import ActivationConfig
-from ..kernels.act_ops import get_act_ops
+from ..kernels.registry import get
 from ..kernels.fp8 import get_format
 from .accounting import Ledger, storage_key
 from .packing import FP8Saved, FP8View, Kept, has_gaps, memory_order
@@ -157,7 +157,7 @@ class SavedTensorCompressor:
         dev = t.get_device()
         ops = self._ops.get(dev)
         if ops is None:
-            ops = self._ops[dev] = get_act_ops(t.device, self.config.backend)
+            ops = self._ops[dev] = get("act_codec", t.device, self.config.backend)
         return ops
 
     def _device_state(self, dev: int, t: torch.Tensor):

@@ -1,5 +1,5 @@
 """The FP8-linear quantize kernels: a torch.library custom op over the Triton launcher, and
-the torch twin; `ops.get_linear_ops` picks one from the kernel table.
+the torch twin; the registry's "fp8_linear" kernels are these.
 
 The custom op (with a fake implementation giving output shapes) lets torch.compile trace a
 converted layer without a graph break (eagerly the launcher is called directly, saving the

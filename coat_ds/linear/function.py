@@ -20,7 +20,7 @@ import torch
 from .._compat.torch import scaled_mm
 from ..kernels import reference
 from ..kernels.fp8 import get_format
-from ..kernels.ops import get_linear_ops
+from ..kernels.registry import get
 from . import shared_input
 
 __all__ = ["fp8_linear", "fp8_mm"]
@@ -29,6 +29,15 @@ _pow2 = reference.pow2
 # Maxima reduced in runs of this many elements (reference.linear_finite_absmax): the
 # activation codec's group size, so Inductor can put them in one kernel with its group maxima.
 _MAX_SPLIT = 16
+
+
+_OPTION = "Fp8LinearConfig.backend"
+
+
+def _quantizer(device: torch.device, backend: str, eager: bool):
+    """The per-tensor quantizer for `backend`; "auto" while compiling is the torch twin, which
+    Inductor fuses into the kernels around it."""
+    return get("fp8_linear", device, "torch" if backend == "auto" and not eager else backend, _OPTION).quantize
 
 
 def _input_max_split(weight: torch.Tensor) -> int:
@@ -58,8 +67,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if not x.is_contiguous():
             x = x.contiguous()
         f_in, f_w, f_g = (get_format(f) for f in fmts)
-        quantize = get_linear_ops(x.device, backend)
         eager = not torch.compiler.is_compiling()
+        quantize = _quantizer(x.device, backend, eager)
         recipe = (f_in.name, fp8_gemm, backend)
         shared = shared_input.lookup(x_nd, recipe) if eager else None
         if shared is None:
@@ -80,7 +89,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
             # compiled, the twin's cast measured as fast at 7B shapes and faster at ~1B
             # (benchmarks.md, 2026-11-24).
             if keep_w:
-                wq, wq_t, ew = get_linear_ops(x.device, backend, opaque=True)(weight, f_w, True, True, guess=w_guess)
+                kept = get("fp8_linear", x.device, backend, _OPTION).quantize_kept
+                wq, wq_t, ew = kept(weight, f_w, True, True, guess=w_guess)
             else:
                 wq, _, ew = quantize(weight, f_w, True, False, guess=w_guess)
             sw = _pow2(ew)
@@ -126,7 +136,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             gy = gy.contiguous()
         dx = dw = db = None
         if ctx.fp8_gemm and (need_dx or need_dw):
-            quantize = get_linear_ops(gy.device, ctx.backend)
+            quantize = _quantizer(gy.device, ctx.backend, not torch.compiler.is_compiling())
             # Split, the maxima of sibling output gradients (gate's and up's, from one
             # SiLU-mul backward) are computed in one kernel that recomputes their producer;
             # unsplit, Inductor had the producer write both in BF16 for two max kernels to

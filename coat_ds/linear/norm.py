@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from ..config import Fp8LinearConfig
 from ..kernels import reference
-from ..kernels.ops import get_rms_norm_ops
+from ..kernels.registry import get
 from . import shared_input
 
 __all__ = ["fuse_rms_norms"]
@@ -43,8 +43,8 @@ class _FusedRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_nd, weight, eps, cast_first, kernels):
         x = x_nd if x_nd.is_contiguous() else x_nd.contiguous()
-        forward_kernel, ctx.backward_kernel = kernels
-        y, rstd, amax_bits = forward_kernel(x, weight, eps, cast_first)
+        ctx.backward_kernel = kernels.backward
+        y, rstd, amax_bits = kernels.forward(x, weight, eps, cast_first)
         ctx.save_for_backward(x, weight, rstd)
         ctx.cast_first = cast_first
         ctx.mark_non_differentiable(amax_bits)
@@ -83,8 +83,8 @@ class _FusedRMSNorm(nn.Module):
         x = hidden_states
         if torch.compiler.is_compiling() or not _fusable(x, w):
             return super().forward(hidden_states)
-        kernels = get_rms_norm_ops(x.device, self.fused_norm_backend, x.shape[-1], "Fp8LinearConfig.backend")
-        if kernels is None:
+        kernels = get("rms_norm", x.device, self.fused_norm_backend, "Fp8LinearConfig.backend")
+        if x.shape[-1] > kernels.max_hidden:
             return super().forward(hidden_states)
         eps = _eps(getattr(self, self._fused_eps_name))
         y, amax_bits = _FusedRMSNormFunction.apply(x, w, eps, self._fused_cast_first, kernels)

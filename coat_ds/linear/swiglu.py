@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..config import Fp8LinearConfig
-from ..kernels.ops import get_swiglu_ops
+from ..kernels.registry import get
 from . import shared_input
 from .layer import Fp8Linear
 
@@ -36,8 +36,8 @@ _PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
 class _SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, kernels, with_max):
-        forward_kernel, ctx.backward_kernel = kernels
-        h, amax_bits = forward_kernel(gate, up, with_max)
+        ctx.backward_kernel = kernels.backward
+        h, amax_bits = kernels.forward(gate, up, with_max)
         ctx.save_for_backward(gate, up)
         if amax_bits is not None:
             ctx.mark_non_differentiable(amax_bits)
@@ -67,7 +67,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, down: nn.Module | None = None, 
     fp8_down = isinstance(down, Fp8Linear)
     if fp8_down:
         backend = down.fp8_config.backend
-    kernels = get_swiglu_ops(gate.device, backend, "Fp8LinearConfig.backend")
+    kernels = get("swiglu", gate.device, backend, "Fp8LinearConfig.backend")
     h, amax_bits = _SwiGLUFunction.apply(gate, up, kernels, fp8_down)
     if fp8_down:
         shared_input.offer_max(h, amax_bits)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from ..config import Fp8LinearConfig
 from ..kernels import reference
 from ..kernels.fp8 import get_format
-from ..kernels.ops import get_linear_ops
+from ..kernels.registry import get
 from ..linear.function import fp8_mm
 
 __all__ = ["HeadGemms", "Fp8HeadGemms"]
@@ -70,7 +70,7 @@ class Fp8HeadGemms:
                  config: Fp8LinearConfig, need_h: bool):
         self.f_in, self.f_w, self.f_g = (get_format(f) for f in (config.input_format, config.weight_format,
                                                                  config.grad_format))
-        self.quantize = get_linear_ops(weight.device, config.backend)
+        self.quantize = get("fp8_linear", weight.device, config.backend, "Fp8LinearConfig.backend").quantize
         self.wq, self.wq_t, ew = self.quantize(weight, self.f_w, True, need_h)
         self.sw = reference.pow2(ew)
         self.dtype, self.fast_accum = dtype, config.fast_accum
