@@ -191,9 +191,9 @@ def run_host(args) -> dict:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     from coat_ds import ActivationConfig
     from coat_ds.activation.hooks import SavedTensorCompressor
-    from coat_ds.kernels import act_quant
+    from coat_ds.kernels import act_codec
 
-    act_quant.launch = lambda *a, **k: None
+    act_codec.launch = lambda *a, **k: None
     torch.set_num_threads(1)
     comp = SavedTensorCompressor(ActivationConfig(backend="triton"))
     x = torch.randn(2, 32, 64, dtype=torch.bfloat16, requires_grad=True)

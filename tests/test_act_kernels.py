@@ -129,7 +129,7 @@ def test_per_tensor_two_stage_max_spans_programs(device):
 def test_launch_cache_key_separates_what_triton_specializes_on():
     # A compiled kernel is reused only for arguments Triton would have compiled it for:
     # pointer dtype and 16-byte alignment, integer divisibility by 16, value 1, width.
-    from coat_ds.kernels.act_launch import _spec
+    from coat_ds.kernels.jit import _spec
 
     buf = torch.empty(64)
     assert _spec((buf,)) == _spec((torch.empty(32),))
@@ -212,7 +212,7 @@ def test_launchers_resolve_the_isa_once_per_device(monkeypatch):
     # Host cost: every saved tensor calls a launcher in pack and in unpack, and resolving
     # the ISA from x.device each time cost more than the rest of the check. It is looked up
     # once per device, and again after fp8.set_fp8_conversions clears fp8's own cache.
-    from coat_ds.kernels import act_quant, fp8
+    from coat_ds.kernels import fp8
 
     calls = []
     kernel_isa = fp8.kernel_isa
@@ -220,8 +220,8 @@ def test_launchers_resolve_the_isa_once_per_device(monkeypatch):
     monkeypatch.setattr(fp8, "_TENSOR_ISA", {})
     x = torch.randn(4, 32)
     for _ in range(3):
-        assert act_quant._check(x) == kernel_isa(x.device)
+        assert codec._check(x) == kernel_isa(x.device)
     assert len(calls) == 1
     fp8.set_fp8_conversions(None)  # clears fp8's cache (what a mode change does)
-    act_quant._check(x)
+    codec._check(x)
     assert len(calls) == 2

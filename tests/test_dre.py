@@ -129,7 +129,7 @@ def _host_quantize(x: torch.Tensor, fmt: str) -> QuantizedGroups:
     slot = AdamWSlot(torch.zeros_like(x), x.clone(), zeros, R.quantize_groups(torch.zeros_like(x), fmt=fmt))
     hyper = AdamWHyper(lr=1.0, beta1=0.0, beta2=0.0, eps=1e-8, weight_decay=0.0, step_size=1.0,
                        bias_correction2_sqrt=1.0, step=1.0)
-    host.adamw_step([slot], hyper, fmt_m=fmt, fmt_v=fmt, dre=True)
+    host.host_step([slot], hyper, fmt_m=fmt, fmt_v=fmt, dre=True)
     return slot.exp_avg
 
 

@@ -19,7 +19,7 @@ from torch import nn
 import coat_ds
 from coat_ds import Fp8Linear, Fp8LinearConfig, convert_to_fp8_linear
 from coat_ds.kernels import reference
-from helpers import census, sqnr_db
+from helpers import bound, census, sqnr_db
 
 FWD_DB, DX_DB, DW_DB = 25.0, 21.0, 21.0
 # M = 2 * 37 tokens is no multiple of 16: the transposed copies carry zero padding.
@@ -112,7 +112,7 @@ def test_saves_only_fp8_input_and_params():
 def test_triton_kernel_matches_twin():
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
-    from coat_ds.kernels.fp8_linear import linear_quantize
+    linear_quantize = bound("fp8_linear").linear_quantize_triton
 
     torch.manual_seed(2)
     for shape, dtype in (((37, 96), torch.bfloat16), ((64, 130), torch.float32)):
@@ -139,8 +139,9 @@ def test_triton_kernel_matches_twin():
 
 
 def _check_guessed_exponent(device):
-    from coat_ds.kernels.fp8_linear import linear_quantize, new_guess
+    from coat_ds.kernels.fp8_linear import new_guess
 
+    linear_quantize = bound("fp8_linear").linear_quantize_triton
     torch.manual_seed(15)
     for shape, dtype in (((37, 96), torch.bfloat16), ((64, 130), torch.float32)):
         x = (torch.randn(shape, device=device) * 5).to(dtype)
@@ -191,8 +192,6 @@ def test_weight_guess_follows_a_changing_weight():
 def test_quantize_op_declares_the_guess_it_updates():
     """The state the kernels update is an argument the op's schema marks as written, so that
     torch.compile functionalizes it instead of missing it."""
-    from coat_ds.kernels import linear_ops  # noqa: F401 (registers the op)
-
     args = {a.name: a for a in torch.ops.coat_ds.fp8_linear_quantize.default._schema.arguments}
     assert args["guess"].alias_info is not None and args["guess"].alias_info.is_write
     assert all(a.alias_info is None for name, a in args.items() if name != "guess")
@@ -217,7 +216,7 @@ def test_backward_reuses_the_weight_exponent(monkeypatch, backend):
     _, m = _pair(config=Fp8LinearConfig(fp8_gemm="on", backend=backend))
     e_w = reference.linear_quantize(m.weight.detach(), "e4m3")[2]
     calls = []
-    real_ref, real_launch = reference.linear_finite_absmax, fp8_linear.launch
+    real_ref, real_launch = fp8_linear.linear_finite_absmax, fp8_linear.launch
 
     def counting_ref(x, split=0):
         calls.append(tuple(x.shape))
@@ -228,7 +227,7 @@ def test_backward_reuses_the_weight_exponent(monkeypatch, backend):
             calls.append(fn)
         return real_launch(fn, *a, **k)
 
-    monkeypatch.setattr(reference, "linear_finite_absmax", counting_ref)
+    monkeypatch.setattr(fp8_linear, "linear_finite_absmax", counting_ref)
     monkeypatch.setattr(fp8_linear, "launch", counting_launch)
     torch.manual_seed(4)
     x, g = torch.randn(B, S, K), torch.randn(B, S, N)
@@ -637,7 +636,7 @@ def test_cuda_weight_quantize_from_a_guessed_exponent():
 def test_cuda_kernel_and_twin_agree_with_and_without_a_given_exponent():
     """The Triton kernel and the twin (BF16 scaled in BF16 on the GPU too) give the same
     codes, and a given exponent gives the codes of the exponent it equals."""
-    from coat_ds.kernels.fp8_linear import linear_quantize
+    linear_quantize = bound("fp8_linear").linear_quantize_triton
 
     torch.manual_seed(7)
     for dtype in (torch.bfloat16, torch.float32):

@@ -10,7 +10,9 @@ import os
 import pytest
 import torch
 
-from coat_ds.kernels import AdamWHyper, AdamWSlot, QuantizedGroups, act_codec as A, fp8, get, ops, reference as R
+from coat_ds.kernels import AdamWHyper, AdamWSlot, QuantizedGroups, act_codec as A, fp8, get, reference as R
+from coat_ds.kernels.adamw import flat_slots
+from coat_ds.kernels.custom_ops import BODIES
 from coat_ds.kernels.registry import OPS
 from coat_ds.linear.layer import fp8_gemm_available
 
@@ -43,7 +45,7 @@ _HYPER = list(AdamWHyper.at_step(3, 1e-3, 0.9, 0.999, 1e-8, 0.01))
 
 
 def _adamw_args(quant: bool):
-    return (*ops.flat_slots(_slots(quant)), _HYPER, G, "e4m3", "e5m2", True, torch.zeros((), dtype=torch.int64))
+    return (*flat_slots(_slots(quant)), _HYPER, G, "e4m3", "e5m2", True, torch.zeros((), dtype=torch.int64))
 
 
 def _cases():
@@ -64,8 +66,9 @@ def _cases():
 
 
 def test_every_kernel_is_an_op():
-    assert set(ops.OP_NAMES) == {*_cases(), "fp8_linear_quantize"}
-    for name in ops.OP_NAMES:
+    names = {*BODIES, "fp8_linear_quantize"}
+    assert names == {*_cases(), "fp8_linear_quantize"}
+    for name in names:
         assert hasattr(torch.ops.coat_ds, name), name
 
 
@@ -112,11 +115,11 @@ def test_cpu_adamw_op_is_the_reference_step(quant):
     sa, sb = torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
     a[0].grad[1, 5] = float("nan")  # one skipped group, counted in both
     b[0].grad[1, 5] = float("nan")
-    torch.ops.coat_ds.adamw_step(*ops.flat_slots(a), _HYPER, G, "e4m3", "e5m2", True, sa)
+    torch.ops.coat_ds.adamw_step(*flat_slots(a), _HYPER, G, "e4m3", "e5m2", True, sa)
     R.adamw_step(b, AdamWHyper(*_HYPER), group_size=G, fmt_m="e4m3", fmt_v="e5m2", skipped=sb)
     written = [lambda f: f[0], lambda f: f[2], lambda f: f[3], lambda f: f[4]]
     for part in written:
-        assert _equal(part(ops.flat_slots(a)), part(ops.flat_slots(b)))
+        assert _equal(part(flat_slots(a)), part(flat_slots(b)))
     assert sa.item() == sb.item() == 1 and a[0].skips.sum().item() == 1
 
 
@@ -139,7 +142,7 @@ def test_fake_tensors_give_the_output_shapes():
 
 def _body(name, backend, *args):
     """What op `name` runs on `backend`'s kernels (the CPU kernel: "torch"; CUDA: "triton")."""
-    registry_op, body = ops.BODIES[name]
+    registry_op, body = BODIES[name]
     return body(get(registry_op, CPU, backend), *args)
 
 

@@ -18,15 +18,15 @@ from __future__ import annotations
 import torch
 
 from .._compat.torch import scaled_mm
-from ..kernels import reference
 from ..kernels.fp8 import get_format
+from ..kernels.fp8_linear import linear_dequantize
+from ..kernels.fp8_torch import pow2
 from ..kernels.registry import get
 from . import shared_input
 
 __all__ = ["fp8_linear", "fp8_mm"]
 
-_pow2 = reference.pow2
-# Maxima reduced in runs of this many elements (reference.linear_finite_absmax): the
+# Maxima reduced in runs of this many elements (fp8_linear.linear_finite_absmax): the
 # activation codec's group size, so Inductor can put them in one kernel with its group maxima.
 _MAX_SPLIT = 16
 
@@ -52,7 +52,7 @@ def _input_max_split(weight: torch.Tensor) -> int:
 
 def fp8_mm(a, a_fmt, sa, b_t, b_fmt, sb, out_dtype, bias=None, fast_accum=False, out=None):
     """a (M, K) row-major codes @ b_t.t() (b_t: (N, K) row-major codes): cuBLASLt's layout;
-    `sa`, `sb` their scales (_pow2 of their exponents: eagerly each made once per tensor, as
+    `sa`, `sb` their scales (pow2 of their exponents: eagerly each made once per tensor, as
     it costs host time per GEMM)."""
     args = (a.view(a_fmt.dtype), b_t.view(b_fmt.dtype).t(), sa, sb)
     if out is None:
@@ -75,7 +75,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             # A fused RMSNorm's or SwiGLU's output comes with its max: no max pass here.
             amax = shared_input.offered_max(x_nd) if eager else None
             xq, xq_t, ex = quantize(x, f_in, fp8_gemm, True, split=_input_max_split(weight), amax=amax)
-            shared = (xq, xq_t, ex, _pow2(ex) if fp8_gemm else None)
+            shared = (xq, xq_t, ex, pow2(ex) if fp8_gemm else None)
             if eager:
                 shared_input.remember(x_nd, recipe, shared)
         xq, xq_t, ex, sx = shared
@@ -93,7 +93,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 wq, wq_t, ew = kept(weight, f_w, True, True, guess=w_guess)
             else:
                 wq, _, ew = quantize(weight, f_w, True, False, guess=w_guess)
-            sw = _pow2(ew)
+            sw = pow2(ew)
             # cuBLASLt takes a bias only with a 16-bit output; an FP32 one is added after.
             fused_bias = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
             b = bias.to(out_dtype) if fused_bias else None
@@ -142,11 +142,11 @@ class _Fp8LinearFunction(torch.autograd.Function):
             # unsplit, Inductor had the producer write both in BF16 for two max kernels to
             # read (-0.46 ms per 7B layer on an H100; docs/benchmarks.md).
             gq, gq_t, eg = quantize(gy, f_g, need_dx, need_dw, split=_MAX_SPLIT)
-            sg = _pow2(eg)
+            sg = pow2(eg)
             if ctx.scales is not None:
                 sx, sw = ctx.scales
             else:
-                sx, sw = (_pow2(ex) if need_dw else None), (_pow2(ew) if need_dx else None)
+                sx, sw = (pow2(ex) if need_dw else None), (pow2(ew) if need_dx else None)
             if need_dx:
                 # The forward scale, so no max pass over the weight again: the weight has
                 # not changed, and the codes equal forward's.
@@ -158,12 +158,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
             if need_dw:
                 # Both transposed copies carry the same zero padding of the token dim.
                 # Compiled, the scale made again as it was traced before (graphs unchanged).
-                dw = fp8_mm(gq_t, f_g, sg if ctx.scales is not None else _pow2(eg), xq_t, f_in, sx, ctx.w_dtype)
+                dw = fp8_mm(gq_t, f_g, sg if ctx.scales is not None else pow2(eg), xq_t, f_in, sx, ctx.w_dtype)
         elif need_dx or need_dw:
             if need_dx:
                 dx = (gy @ weight_or_codes.to(gy.dtype)).to(ctx.x_dtype)
             if need_dw:
-                x_hat = reference.linear_dequantize(xq_t[:, :ctx.m], ex, f_in, gy.dtype)
+                x_hat = linear_dequantize(xq_t[:, :ctx.m], ex, f_in, gy.dtype)
                 dw = (gy.t() @ x_hat.t()).to(ctx.w_dtype)
         if dx is not None:
             dx = dx.view(ctx.x_shape)

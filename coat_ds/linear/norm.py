@@ -27,8 +27,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..config import Fp8LinearConfig
-from ..kernels import reference
 from ..kernels.registry import get
+from ..kernels.rms_norm import rms_norm_forward
 from . import shared_input
 
 __all__ = ["fuse_rms_norms"]
@@ -126,7 +126,7 @@ def _cast_first(m: nn.Module, eps_name: str) -> bool | None:
         except Exception:  # a forward taking other arguments, or failing on CPU: not ours to fuse
             return None
         for order in list(orders):
-            want = reference.rms_norm_forward(x, stand_in.weight, eps, order)[0]
+            want = rms_norm_forward(x, stand_in.weight, eps, order)[0]
             if not (isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want)):
                 orders.discard(order)
     return orders.pop() if len(orders) == 1 else None
