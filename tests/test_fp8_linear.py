@@ -505,7 +505,6 @@ def test_torch_compile_fullgraph():
     """No graph break per layer: with the torch twins (Inductor fuses them) and with the
     Triton custom op (traced through its fake implementation)."""
     from coat_ds.kernels import fp8
-    from coat_ds.linear import shared_input
 
     torch._dynamo.reset()
     for backend in ("auto", "torch", "triton"):
@@ -521,7 +520,6 @@ def test_torch_compile_fullgraph():
         x, g = torch.randn(B, S, K), torch.randn(B, S, N)
         y0, dx0, dw0, _ = _run(eager, x, g)
         fp8._LOGGED.clear()  # so the first-call log line is met while tracing: it must not break the graph
-        shared_input._local.__dict__.clear()  # nor the shared-input state of a fresh thread
         y, dx, dw, _ = _run(compiled, x, g)
         assert sqnr_db(y0, y) > 40 and sqnr_db(dx0, dx) > 40 and sqnr_db(dw0, dw) > 40, backend
         # The op's update of the layer's guess survives functionalization (twins ignore it).
@@ -709,11 +707,10 @@ def _check_siblings_share(monkeypatch, backend, device):
     x, g = torch.randn(B, S, K, device=device), torch.randn(B, S, N, device=device)
     saved = [t for t in _saved_by(m, x) if t.dtype == torch.uint8]
     assert len(saved) == 3 and len({t.untyped_storage().data_ptr() for t in saved}) == 1
-    shared_input.clear()
 
     def grads(share: bool):
         if not share:
-            monkeypatch.setattr(shared_input, "lookup", lambda x, recipe: None)
+            monkeypatch.setattr(shared_input.SharedInput, "codes_for", lambda shared, recipe: None)
         m.zero_grad(set_to_none=True)
         xr = x.clone().requires_grad_()
         m(xr).backward(g)
@@ -726,7 +723,7 @@ def _check_siblings_share(monkeypatch, backend, device):
 
 def test_shared_input_misses_on_change_and_clears_in_backward():
     """An in-place change of the input, another recipe or a new tensor is a miss; backward
-    drops the entry."""
+    drops the codes."""
     from coat_ds.linear import shared_input
 
     torch.manual_seed(9)
@@ -736,16 +733,18 @@ def test_shared_input_misses_on_change_and_clears_in_backward():
     x = torch.randn(B, S, K)
     with torch.no_grad():
         m.q(x)
-        assert shared_input.lookup(x, ("e4m3", True, "torch")) is not None
-        assert shared_input.lookup(x, ("e5m2", True, "torch")) is None
-        assert shared_input.lookup(x.clone(), ("e4m3", True, "torch")) is None
+        assert shared_input.on(x).codes_for(("e4m3", True, "torch")) is not None
+        assert shared_input.on(x).codes_for(("e5m2", True, "torch")) is None
+        assert shared_input.on(x.clone()).codes_for(("e4m3", True, "torch")) is None
         x.mul_(100)  # the cached codes no longer match x
-        assert shared_input.lookup(x, ("e4m3", True, "torch")) is None
+        assert shared_input.on(x).codes_for(("e4m3", True, "torch")) is None
         y_after, y_fresh = m.k(x), nn.functional.linear(x, m.k.weight, m.k.bias)
     assert sqnr_db(y_fresh, y_after) > FWD_DB
     xr = x.clone().requires_grad_()
-    m(xr).sum().backward()
-    assert shared_input.lookup(xr, ("e4m3", True, "torch")) is None
+    y = m(xr)
+    assert shared_input.on(xr).codes_for(("e4m3", True, "torch")) is not None
+    y.sum().backward()
+    assert shared_input.on(xr).codes_for(("e4m3", True, "torch")) is None
 
 
 @pytest.mark.parametrize("ckpt", [None, "non-reentrant", "reentrant"])
@@ -771,14 +770,15 @@ def test_shared_input_on_hf_llama_gives_the_same_gradients(ckpt):
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": ckpt == "reentrant"})
         m.train()
         ids = torch.randint(0, cfg.vocab_size, (2, 64))
-        real, hits = shared_input.lookup, []
+        real, hits = shared_input.SharedInput.codes_for, []
 
-        def lookup(x, recipe):
-            found = real(x, recipe) if share else None
+        def codes_for(shared, recipe):
+            found = real(shared, recipe) if share else None
             hits.append(found is not None)
             return found
 
-        with mock.patch.object(shared_input, "lookup", lookup), torch.autocast("cpu", dtype=torch.bfloat16):
+        with mock.patch.object(shared_input.SharedInput, "codes_for", codes_for), \
+                torch.autocast("cpu", dtype=torch.bfloat16):
             m(input_ids=ids, labels=ids).loss.backward()
         return [p.grad for p in m.parameters()], sum(hits)
 

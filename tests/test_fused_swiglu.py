@@ -183,21 +183,20 @@ def test_down_proj_takes_the_offered_max_and_makes_its_own_codes(backend, cfg):
     down = _down(160, 48, backend=backend, **cfg)
     g, u, _ = _data((2, 37, 160), torch.bfloat16, seed=4)
     g[0, 0, 0] = float("inf")
-    shared_input.clear()
     h = swiglu(g, u, down)
-    offered = shared_input.offered_max(h)
+    offered = shared_input.on(h).amax
     assert offered is not None
     assert offered.view(torch.float32).item() == reference.linear_finite_absmax(h).item()
     fmt = down.fp8_config.input_format
     with torch.no_grad(), mock.patch.object(fp8_linear, "linear_finite_absmax",
                                             wraps=fp8_linear.linear_finite_absmax) as max_pass:
         y_offered = down(h)
-        codes_offered = shared_input._local.entry[3]
+        codes_offered = shared_input.on(h).codes
     assert all(c.args[0].shape != (74, 160) for c in max_pass.call_args_list), "h's max was read again"
-    shared_input.clear()
+    h_plain = h.detach().clone()  # h's values, nothing attached
     with torch.no_grad():
-        y_own = down(h)
-        codes_own = shared_input._local.entry[3]
+        y_own = down(h_plain)
+        codes_own = shared_input.on(h_plain).codes
     assert torch.equal(y_offered, y_own)
     assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(codes_offered, codes_own))
     assert codes_own[1].shape == (160, -(-74 // GEMM_ALIGN) * GEMM_ALIGN) and fmt in ("e4m3", "e5m2")
@@ -205,10 +204,9 @@ def test_down_proj_takes_the_offered_max_and_makes_its_own_codes(backend, cfg):
 
 def test_no_max_offered_without_an_fp8_down_proj():
     g, u, _ = _data((4, 64), torch.bfloat16)
-    shared_input.clear()
     h = swiglu(g, u, nn.Linear(64, 16))
     assert torch.equal(h, nn.functional.silu(g) * u)
-    assert shared_input.offered_max(h) is None
+    assert shared_input.on(h).amax is None
 
 
 def test_inputs_the_kernels_do_not_take_run_plain_ops():
@@ -250,18 +248,15 @@ def _train_step(arch, *, fuse, compress=False, backend="torch", fuse_first=False
     handle = coat_ds.compress_activations(m) if compress else None
     m.train()
     ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
-    hits = []
+    hits, real = [], shared_input.SharedInput.codes_for
 
-    def counted(real):
-        def call(*args):
-            found = real(*args)
-            hits.append(found is not None)
-            return found
-        return call
+    def codes_for(shared, recipe):
+        found = real(shared, recipe)
+        hits.append(found is not None or shared.amax is not None)  # no max pass either way
+        return found
 
     # Backward too: it may recompute.
-    with mock.patch.object(shared_input, "lookup", counted(shared_input.lookup)), \
-            mock.patch.object(shared_input, "offered_max", counted(shared_input.offered_max)):
+    with mock.patch.object(shared_input.SharedInput, "codes_for", codes_for):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = m(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -435,9 +430,8 @@ def test_cuda_kernels_match_the_twins_and_offer_the_quantizers_own_max(dtype):
             _assert_16bit_close(got.cpu(), want.cpu())
     assert amax.item() == reference.linear_finite_absmax(h).view(torch.int32).item()
     down = _down(1000, 64).cuda()
-    shared_input.clear()
     h = swiglu(g, u, down)
-    offered = shared_input.offered_max(h)
+    offered = shared_input.on(h).amax
     quantize = get("fp8_linear", h.device).quantize
     want = quantize(h.view(-1, 1000), "e4m3", True, True)
     got = quantize(h.view(-1, 1000), "e4m3", True, True, amax=offered)

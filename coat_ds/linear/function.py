@@ -70,15 +70,16 @@ class _Fp8LinearFunction(torch.autograd.Function):
         eager = not torch.compiler.is_compiling()
         quantize = _quantizer(x.device, backend, eager)
         recipe = (f_in.name, fp8_gemm, backend)
-        shared = shared_input.lookup(x_nd, recipe) if eager else None
-        if shared is None:
+        shared = shared_input.on(x_nd) if eager else None
+        codes = shared.codes_for(recipe) if eager else None
+        if codes is None:
             # A fused RMSNorm's or SwiGLU's output comes with its max: no max pass here.
-            amax = shared_input.offered_max(x_nd) if eager else None
-            xq, xq_t, ex = quantize(x, f_in, fp8_gemm, True, split=_input_max_split(weight), amax=amax)
-            shared = (xq, xq_t, ex, pow2(ex) if fp8_gemm else None)
+            xq, xq_t, ex = quantize(x, f_in, fp8_gemm, True, split=_input_max_split(weight),
+                                    amax=shared.amax if eager else None)
+            codes = (xq, xq_t, ex, pow2(ex) if fp8_gemm else None)
             if eager:
-                shared_input.remember(x_nd, recipe, shared)
-        xq, xq_t, ex, sx = shared
+                shared.keep(recipe, codes)
+        xq, xq_t, ex, sx = codes
         ew = wq_t = sw = None
         keep_w = keep_w and fp8_gemm
         if fp8_gemm:
@@ -113,6 +114,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             y = torch.nn.functional.linear(x_nd.to(out_dtype), weight.to(out_dtype),
                                            None if bias is None else bias.to(out_dtype))
         ctx.save_for_backward(xq_t, ex, wq_t if keep_w else weight, ew)
+        ctx.shared = shared
         # Eagerly the scales go to backward as they are (four bytes each, not through the
         # saved-tensor hooks); compiled, backward makes them again from the saved exponents
         # as it always has, and the partitioner decides.
@@ -126,8 +128,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy):
-        if not torch.compiler.is_compiling():  # Dynamo traces this backward too
-            shared_input.clear()
+        if ctx.shared is not None:  # None compiled
+            ctx.shared.release()
         xq_t, ex, weight_or_codes, ew = ctx.saved_tensors
         f_in, f_w, f_g = ctx.fmts
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]

@@ -3,12 +3,12 @@ output carries its max to the FP8 linear layers reading it.
 
 Forward is one pass over the input (kernels/rms_norm.py): it writes the output, one
 inverse RMS per row (all that backward keeps besides the input and the weight) and the
-output's finite max |y|. That max is offered to the layers reading the output
+output's finite max |y|. That max is attached to the output for the layers reading it
 (shared_input.offer_max): the first Fp8Linear among them (q_proj after input_layernorm,
 gate_proj after post_attention_layernorm) quantizes it without a max pass of its own and
 leaves the codes to its siblings. Backward is one kernel for dx and dweight's per-program
 sums, plus a small sum. No consumer needs to be known: a layer that is not an Fp8Linear
-just ignores the offer.
+never looks.
 
 Under torch.compile the module runs its own torch code (Inductor fuses it already), so
 the fusion is an eager speed-up only. Which order of roundings a module computes is

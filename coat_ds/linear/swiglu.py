@@ -4,8 +4,8 @@ A Llama-style MLP is down_proj(act_fn(gate_proj(x)) * up_proj(x)) with act_fn Si
 that is a silu kernel and a multiply forward and their two backward kernels, each over
 tensors of the intermediate size, and then down_proj's FP8 cast reads the product again
 for its max. Fused (kernels/swiglu.py): one kernel writes h = silu(gate) * up and folds
-h's finite max; where down_proj is an Fp8Linear, that max is offered to it
-(shared_input.offer_max, as a fused RMSNorm offers its own), so its cast reads no max of
+h's finite max; where down_proj is an Fp8Linear, that max is attached to h for it
+(shared_input.offer_max, as a fused RMSNorm attaches its own), so its cast reads no max of
 its own. Backward is one kernel from dh, gate and up (the two tensors saved; h is not).
 
 Compiled, the module runs Hugging Face's ops: Inductor fuses them itself, max included.
