@@ -184,20 +184,22 @@ class _NormThenSiblings(nn.Module):
 
 def _saved_codes(m, x, monkeypatch):
     """(codes autograd saved in m's forward, quantize calls: whether each was handed a max)."""
-    from coat_ds.linear import function
+    from coat_ds.linear import layer
 
     calls, saved = [], []
-    real = function._quantizer
+    real = layer.get
 
-    def counting(device, backend, eager):
-        quantize = real(device, backend, eager)
+    def counting(op, *args):
+        kernels = real(op, *args)
 
-        def wrapped(*args, **kw):
+        def quantize(*a, **kw):
             calls.append(kw.get("amax") is not None)
-            return quantize(*args, **kw)
-        return wrapped
+            return kernels.quantize(*a, **kw)
+        return kernels._replace(quantize=quantize)
 
-    monkeypatch.setattr(function, "_quantizer", counting)
+    monkeypatch.setattr(layer, "get", counting)
+    for mod in m.modules():
+        mod.__dict__.pop("_fp8_spec", None)  # each layer's kernels, taken again (counted) at its next call
 
     def pack(t):
         saved.append(t)
@@ -205,7 +207,7 @@ def _saved_codes(m, x, monkeypatch):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         m(x.clone().requires_grad_())
-    monkeypatch.setattr(function, "_quantizer", real)
+    monkeypatch.setattr(layer, "get", real)
     return [t for t in saved if t.dtype == torch.uint8], calls
 
 

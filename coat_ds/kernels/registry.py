@@ -8,8 +8,8 @@ CUDA tensors where it runs and the twins elsewhere (CPU tensors reach Triton onl
 "triton" under TRITON_INTERPRET=1). Choosing Triton compiles the file's kernels (jit.bind).
 
 A caller resolves its kernels once (a layer per device, an optimizer bucket, the activation
-hooks per device) and keeps them: a call is then the launcher or the twin itself, with no
-lookup and no custom-op dispatch."""
+hooks per device; `get_kept` for a module) and keeps them: a call is then the launcher or the
+twin itself, with no lookup and no custom-op dispatch."""
 from __future__ import annotations
 
 import torch
@@ -18,7 +18,7 @@ from . import act_codec, adamw, cast_fp8, cross_entropy, fp8_linear, group_codec
 from .fp8 import use_triton
 from .jit import bind
 
-__all__ = ["get", "OPS"]
+__all__ = ["get", "get_kept", "OPS"]
 
 OPS = {m.__name__.rsplit(".", 1)[1]: m for m in (act_codec, adamw, cast_fp8, cross_entropy, fp8_linear, group_codec,
                                                  rms_norm, swiglu)}
@@ -36,3 +36,15 @@ def get(op: str, device: torch.device, backend: str = "auto", option: str = "bac
     if not torch.compiler.is_compiling():  # compiled graphs reach Triton through the custom ops
         bind(module)
     return module.TRITON
+
+
+_KEPT = "_coat_ds_kernels"
+
+
+def get_kept(owner, op: str, device: torch.device, backend: str, option: str = "backend"):
+    """`get`, kept on `owner` (a module that calls these kernels at every call) for the device
+    and backend it was asked for last."""
+    kept = owner.__dict__.get(_KEPT)
+    if kept is None or kept[0] != device or kept[1] != backend:
+        kept = owner.__dict__[_KEPT] = (device, backend, get(op, device, backend, option))
+    return kept[2]

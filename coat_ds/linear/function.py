@@ -15,39 +15,55 @@ input itself and backward's weight gradient from the dequantized FP8 copy: the m
 saving stays, the speed-up does not."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
 from .._compat.torch import scaled_mm
-from ..kernels.fp8 import get_format
+from ..kernels.fp8 import Fp8Format
 from ..kernels.fp8_linear import linear_dequantize
 from ..kernels.fp8_torch import pow2
-from ..kernels.registry import get
 from . import shared_input
 
-__all__ = ["fp8_linear", "fp8_mm"]
+__all__ = ["Fp8LinearSpec", "fp8_linear", "fp8_mm", "input_max_split"]
 
 # Maxima reduced in runs of this many elements (fp8_linear.linear_finite_absmax): the
 # activation codec's group size, so Inductor can put them in one kernel with its group maxima.
 _MAX_SPLIT = 16
 
 
-_OPTION = "Fp8LinearConfig.backend"
+@dataclass(frozen=True)
+class Fp8LinearSpec:
+    """What an Fp8Linear layer computes with on one device, besides its tensors and the output
+    dtype: made once from its config (Fp8Linear._spec), passed to the autograd function as one
+    constant (torch.compile traces a frozen dataclass of constants as one).
+
+    `quantize` and `quantize_kept` are the registry's "fp8_linear" kernels for the layer's
+    device and backend (`quantize` the twin for "auto" when compiled); `recipe`, what another
+    layer's codes of the same input must have been made for to be shared; `input_split`, how
+    the input's max is reduced (input_max_split)."""
+
+    f_in: Fp8Format
+    f_w: Fp8Format
+    f_g: Fp8Format
+    fp8_gemm: bool
+    fast_accum: bool
+    keep_w: bool
+    recipe: tuple
+    input_split: int
+    quantize: Callable
+    quantize_kept: Callable
 
 
-def _quantizer(device: torch.device, backend: str, eager: bool):
-    """The per-tensor quantizer for `backend`; "auto" while compiling is the torch twin, which
-    Inductor fuses into the kernels around it."""
-    return get("fp8_linear", device, "torch" if backend == "auto" and not eager else backend, _OPTION).quantize
-
-
-def _input_max_split(weight: torch.Tensor) -> int:
+def input_max_split(weight_shape: torch.Size) -> int:
     """How forward reduces the input's max. An input wider than the output is an MLP's
     intermediate (SwiGLU's silu(gate) * up): a pointwise function of GEMM outputs that
     compress_activations also quantizes per group, and split, its max joins those group
     maxima in one read of the GEMM outputs (-0.19 ms per 7B layer on an H100). Other inputs
     come from a norm, whose row reduction Inductor fuses the unsplit max into and a split
     max would leave (+0.1-0.15 ms per norm)."""
-    return _MAX_SPLIT if weight.shape[1] > weight.shape[0] else 0
+    return _MAX_SPLIT if weight_shape[1] > weight_shape[0] else 0
 
 
 def fp8_mm(a, a_fmt, sa, b_t, b_fmt, sb, out_dtype, bias=None, fast_accum=False, out=None):
@@ -62,26 +78,23 @@ def fp8_mm(a, a_fmt, sa, b_t, b_fmt, sb, out_dtype, bias=None, fast_accum=False,
 
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_nd, weight, bias, out_dtype, fp8_gemm, fmts, fast_accum, backend, keep_w, w_guess):
+    def forward(ctx, x_nd, weight, bias, w_guess, out_dtype, spec: Fp8LinearSpec):
         x = x_nd.reshape(-1, x_nd.shape[-1])
         if not x.is_contiguous():
             x = x.contiguous()
-        f_in, f_w, f_g = (get_format(f) for f in fmts)
+        f_in, f_w, fp8_gemm, quantize = spec.f_in, spec.f_w, spec.fp8_gemm, spec.quantize
         eager = not torch.compiler.is_compiling()
-        quantize = _quantizer(x.device, backend, eager)
-        recipe = (f_in.name, fp8_gemm, backend)
         shared = shared_input.on(x_nd) if eager else None
-        codes = shared.codes_for(recipe) if eager else None
+        codes = shared.codes_for(spec.recipe) if eager else None
         if codes is None:
             # A fused RMSNorm's or SwiGLU's output comes with its max: no max pass here.
-            xq, xq_t, ex = quantize(x, f_in, fp8_gemm, True, split=_input_max_split(weight),
+            xq, xq_t, ex = quantize(x, f_in, fp8_gemm, True, split=spec.input_split,
                                     amax=shared.amax if eager else None)
             codes = (xq, xq_t, ex, pow2(ex) if fp8_gemm else None)
             if eager:
-                shared.keep(recipe, codes)
+                shared.keep(spec.recipe, codes)
         xq, xq_t, ex, sx = codes
         ew = wq_t = sw = None
-        keep_w = keep_w and fp8_gemm
         if fp8_gemm:
             # Our kernels start from the exponent in w_guess, the weight's last step's, and
             # update it there (one read of the weight where a max pass takes two). A kept
@@ -89,9 +102,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
             # a twin's cast of a parameter in backward rather than save it. Otherwise,
             # compiled, the twin's cast measured as fast at 7B shapes and faster at ~1B
             # (benchmarks.md, 2026-11-24).
-            if keep_w:
-                kept = get("fp8_linear", x.device, backend, _OPTION).quantize_kept
-                wq, wq_t, ew = kept(weight, f_w, True, True, guess=w_guess)
+            if spec.keep_w:
+                wq, wq_t, ew = spec.quantize_kept(weight, f_w, True, True, guess=w_guess)
             else:
                 wq, _, ew = quantize(weight, f_w, True, False, guess=w_guess)
             sw = pow2(ew)
@@ -102,28 +114,25 @@ class _Fp8LinearFunction(torch.autograd.Function):
             if torch.compiler.is_compiling():
                 # Functional, as measured on the H100: an out= call would be functionalized
                 # into a GEMM plus a copy.
-                y = fp8_mm(xq, f_in, sx, wq, f_w, sw, out_dtype, b, fast_accum).view(*x_nd.shape[:-1], n)
+                y = fp8_mm(xq, f_in, sx, wq, f_w, sw, out_dtype, b, spec.fast_accum).view(*x_nd.shape[:-1], n)
             else:
                 # Eagerly written into the N-D output: a reshaped view as a module's output
                 # trips FSDP2's check on outputs that are views.
                 y = x.new_empty((*x_nd.shape[:-1], n), dtype=out_dtype)
-                fp8_mm(xq, f_in, sx, wq, f_w, sw, out_dtype, b, fast_accum, out=y.view(-1, n))
+                fp8_mm(xq, f_in, sx, wq, f_w, sw, out_dtype, b, spec.fast_accum, out=y.view(-1, n))
             if bias is not None and not fused_bias:
                 y = y + bias.to(out_dtype)
         else:
             y = torch.nn.functional.linear(x_nd.to(out_dtype), weight.to(out_dtype),
                                            None if bias is None else bias.to(out_dtype))
-        ctx.save_for_backward(xq_t, ex, wq_t if keep_w else weight, ew)
-        ctx.shared = shared
+        ctx.save_for_backward(xq_t, ex, wq_t if spec.keep_w else weight, ew)
+        ctx.spec, ctx.shared = spec, shared
         # Eagerly the scales go to backward as they are (four bytes each, not through the
         # saved-tensor hooks); compiled, backward makes them again from the saved exponents
         # as it always has, and the partitioner decides.
         ctx.scales = (sx, sw) if eager and fp8_gemm else None
-        ctx.keep_w, ctx.w_dtype = keep_w, weight.dtype
-        ctx.fmts, ctx.fp8_gemm, ctx.backend = (f_in, f_w, f_g), fp8_gemm, backend
-        ctx.m, ctx.x_dtype, ctx.x_shape, ctx.has_bias = x.shape[0], x.dtype, x_nd.shape, bias is not None
-        ctx.out_dtype = out_dtype
-        ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.m, ctx.x_dtype, ctx.x_shape, ctx.out_dtype = x.shape[0], x.dtype, x_nd.shape, out_dtype
+        ctx.w_dtype, ctx.bias_dtype = weight.dtype, (bias.dtype if bias is not None else None)
         return y
 
     @staticmethod
@@ -131,14 +140,15 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if ctx.shared is not None:  # None compiled
             ctx.shared.release()
         xq_t, ex, weight_or_codes, ew = ctx.saved_tensors
-        f_in, f_w, f_g = ctx.fmts
+        spec = ctx.spec
+        f_in, f_w, f_g = spec.f_in, spec.f_w, spec.f_g
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         gy = gy.reshape(-1, gy.shape[-1])
         if not gy.is_contiguous():
             gy = gy.contiguous()
         dx = dw = db = None
-        if ctx.fp8_gemm and (need_dx or need_dw):
-            quantize = _quantizer(gy.device, ctx.backend, not torch.compiler.is_compiling())
+        if spec.fp8_gemm and (need_dx or need_dw):
+            quantize = spec.quantize
             # Split, the maxima of sibling output gradients (gate's and up's, from one
             # SiLU-mul backward) are computed in one kernel that recomputes their producer;
             # unsplit, Inductor had the producer write both in BF16 for two max kernels to
@@ -152,7 +162,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             if need_dx:
                 # The forward scale, so no max pass over the weight again: the weight has
                 # not changed, and the codes equal forward's.
-                wq_t = weight_or_codes if ctx.keep_w else quantize(weight_or_codes, f_w, False, True, ew)[1]
+                wq_t = weight_or_codes if spec.keep_w else quantize(weight_or_codes, f_w, False, True, ew)[1]
                 # In the compute dtype, then cast, as nn.Linear under autocast does: an FP32
                 # input (an FP32 RMSNorm's output) would otherwise get an FP32 GEMM output,
                 # twice the bytes written and read again by the next kernel.
@@ -169,16 +179,15 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 dw = (gy.t() @ x_hat.t()).to(ctx.w_dtype)
         if dx is not None:
             dx = dx.view(ctx.x_shape)
-        if need_db and ctx.has_bias:
+        if need_db and ctx.bias_dtype is not None:
             db = gy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
-               fp8_gemm: bool, fmts: tuple[str, str, str], fast_accum: bool, backend: str,
-               keep_weight_codes: bool = False, weight_guess: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ weight.t() + bias over x's last dim, as described above. `weight_guess`: the
-    weight's exponent-guess state (kernels/layout.new_weight_guess, on its device), which
-    the Triton kernels read and update in place; None quantizes the weight from its max."""
-    return _Fp8LinearFunction.apply(x, weight, bias, out_dtype, fp8_gemm, fmts, fast_accum, backend,
-                                    keep_weight_codes, weight_guess)
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_guess: torch.Tensor | None,
+               out_dtype: torch.dtype, spec: Fp8LinearSpec) -> torch.Tensor:
+    """y = x @ weight.t() + bias over x's last dim in `out_dtype`, as described above.
+    `weight_guess`: the weight's exponent-guess state (kernels/layout.new_weight_guess, on its
+    device), which the Triton kernels read and update in place; None quantizes the weight
+    from its max."""
+    return _Fp8LinearFunction.apply(x, weight, bias, weight_guess, out_dtype, spec)

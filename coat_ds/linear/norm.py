@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..config import Fp8LinearConfig
-from ..kernels.registry import get
+from ..kernels.registry import get_kept
 from ..kernels.rms_norm import rms_norm_forward
 from . import shared_input
 
@@ -83,7 +83,7 @@ class _FusedRMSNorm(nn.Module):
         x = hidden_states
         if torch.compiler.is_compiling() or not _fusable(x, w):
             return super().forward(hidden_states)
-        kernels = get("rms_norm", x.device, self.fused_norm_backend, "Fp8LinearConfig.backend")
+        kernels = get_kept(self, "rms_norm", x.device, self.fused_norm_backend, "Fp8LinearConfig.backend")
         if x.shape[-1] > kernels.max_hidden:
             return super().forward(hidden_states)
         eps = _eps(getattr(self, self._fused_eps_name))

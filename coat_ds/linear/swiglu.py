@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..config import Fp8LinearConfig
-from ..kernels.registry import get
+from ..kernels.registry import get, get_kept
 from . import shared_input
 from .layer import Fp8Linear
 
@@ -62,12 +62,20 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, down: nn.Module | None = None, 
     Fp8Linear, the max the kernel folded is offered to it: its FP8 cast of h then reads no
     max of its own. Compiling, or for inputs the kernels do not take (shapes or dtypes that
     differ, other dtypes or devices), plain torch ops."""
+    return _swiglu(gate, up, down, backend, None)
+
+
+def _swiglu(gate, up, down, backend, owner: nn.Module | None) -> torch.Tensor:
+    """`swiglu`, its kernels kept on `owner` where one calls it at every call (get_kept)."""
     if torch.compiler.is_compiling() or not _fusable(gate, up):
         return nn.functional.silu(gate) * up
     fp8_down = isinstance(down, Fp8Linear)
     if fp8_down:
         backend = down.fp8_config.backend
-    kernels = get("swiglu", gate.device, backend, "Fp8LinearConfig.backend")
+    if owner is None:
+        kernels = get("swiglu", gate.device, backend, "Fp8LinearConfig.backend")
+    else:
+        kernels = get_kept(owner, "swiglu", gate.device, backend, "Fp8LinearConfig.backend")
     h, amax_bits = _SwiGLUFunction.apply(gate, up, kernels, fp8_down)
     if fp8_down:
         shared_input.offer_max(h, amax_bits)
@@ -78,7 +86,7 @@ def _fused_forward(self, x):
     if torch.compiler.is_compiling():
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
     down = self.down_proj
-    return down(swiglu(self.gate_proj(x), self.up_proj(x), down, self.swiglu_config.backend))
+    return down(_swiglu(self.gate_proj(x), self.up_proj(x), down, self.swiglu_config.backend, self))
 
 
 _FUSED: dict[type, type] = {}
