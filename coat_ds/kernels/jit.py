@@ -13,9 +13,8 @@ on its twins imports no Triton.
 
 Launched with less host work per call. `JITFunction.__getitem__(grid)(...)` re-binds and
 re-specializes every argument on each call, where the compiled kernel's own launcher does
-far less, and a typical saved activation is a few microseconds of GPU work launched once or
-twice: in a step that is already host-bound this cost, not bandwidth, is what shows in step
-time. `launch` looks each compiled kernel up once per specialization and then calls its
+far less, and a typical saved activation is little GPU work, launched once or twice: in a
+step that is already host-bound this cost, not bandwidth, is what shows in step time. `launch` looks each compiled kernel up once per specialization and then calls its
 launcher directly (`coat_ds._compat.triton.fast_launcher`, which names the Triton versions
 that was checked on). Where that is unavailable, every call goes through the public
 `fn[grid](...)`, and a warning says so once; under the interpreter (CPU tensors) always."""

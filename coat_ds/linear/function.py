@@ -60,9 +60,9 @@ def input_max_split(weight_shape: torch.Size) -> int:
     """How forward reduces the input's max. An input wider than the output is an MLP's
     intermediate (SwiGLU's silu(gate) * up): a pointwise function of GEMM outputs that
     compress_activations also quantizes per group, and split, its max joins those group
-    maxima in one read of the GEMM outputs (-0.19 ms per 7B layer on an H100). Other inputs
-    come from a norm, whose row reduction Inductor fuses the unsplit max into and a split
-    max would leave (+0.1-0.15 ms per norm)."""
+    maxima in one read of the GEMM outputs. Other inputs come from a norm, whose row
+    reduction Inductor fuses the unsplit max into and a split max would leave. Both measured
+    compiled (docs/benchmarks.md)."""
     return _MAX_SPLIT if weight_shape[1] > weight_shape[0] else 0
 
 
@@ -100,8 +100,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             # update it there (one read of the weight where a max pass takes two). A kept
             # copy comes from the custom op even when compiling: AOTAutograd would recompute
             # a twin's cast of a parameter in backward rather than save it. Otherwise,
-            # compiled, the twin's cast measured as fast at 7B shapes and faster at ~1B
-            # (benchmarks.md, 2026-11-24).
+            # compiled, the twin's cast measured as fast as the op or faster (benchmarks.md).
             if spec.keep_w:
                 wq, wq_t, ew = spec.quantize_kept(weight, f_w, True, True, guess=w_guess)
             else:
@@ -112,8 +111,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
             b = bias.to(out_dtype) if fused_bias else None
             n = weight.shape[0]
             if torch.compiler.is_compiling():
-                # Functional, as measured on the H100: an out= call would be functionalized
-                # into a GEMM plus a copy.
+                # Functional, as measured: an out= call would be functionalized into a GEMM
+                # plus a copy.
                 y = fp8_mm(xq, f_in, sx, wq, f_w, sw, out_dtype, b, spec.fast_accum).view(*x_nd.shape[:-1], n)
             else:
                 # Eagerly written into the N-D output: a reshaped view as a module's output
@@ -152,7 +151,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             # Split, the maxima of sibling output gradients (gate's and up's, from one
             # SiLU-mul backward) are computed in one kernel that recomputes their producer;
             # unsplit, Inductor had the producer write both in BF16 for two max kernels to
-            # read (-0.46 ms per 7B layer on an H100; docs/benchmarks.md).
+            # read (docs/benchmarks.md).
             gq, gq_t, eg = quantize(gy, f_g, need_dx, need_dw, split=_MAX_SPLIT)
             sg = pow2(eg)
             if ctx.scales is not None:

@@ -18,9 +18,9 @@ __all__ = ["Fp8Linear", "fp8_gemm_available"]
 _GUESS = "fp8_weight_guess"
 _SPEC = "_fp8_spec"
 logger = logging.getLogger("coat_ds.linear")
-# Fp8LinearConfig.eager_min_macs's default on CUDA: on an H100 an eager FP8 layer costs about
-# 0.5 ms more host work per step than nn.Linear, which its GEMMs save back from about here
-# (docs/benchmarks.md, "the eager size limits": FP8 won eagerly at 1b with 16k tokens, lost at 8k).
+# Fp8LinearConfig.eager_min_macs's default on CUDA: an eager FP8 layer costs more host work per
+# step than nn.Linear, which its GEMMs save back from about this size on (docs/benchmarks.md,
+# "the eager size limits").
 CUDA_EAGER_MIN_MACS = 2 ** 36
 # (in, out, tokens) already logged as running as nn.Linear. The first is a WARNING, so that it
 # shows without logging configured (HF Trainer's and train.py's case); the rest are INFO.
@@ -48,7 +48,7 @@ def _tell_small(in_f: int, out_f: int, tokens: int, limit: int) -> None:
 
 def fp8_gemm_available(device: torch.device) -> bool:
     """Whether `torch._scaled_mm` runs FP8 GEMMs on `device`: CUDA compute capability 8.9+
-    (Ada, Hopper and later) or CPU."""
+    (fp8.FP8_CAPABILITY) or CPU."""
     if device.type == "cpu":
         return True
     if device.type == "cuda":
