@@ -5,7 +5,7 @@ Code outside this package takes kernels from `get(op, device, backend)` (registr
 never imports triton."""
 from __future__ import annotations
 
-from . import host, reference
+from . import reference
 from .fp8 import E4M3, E5M2, Fp8Format, get_format, kernel_isa, set_fp8_conversions, triton_usable
 from .layout import AdamWHyper, AdamWSlot, GroupLayout, QuantizedGroups, group_layout
 from .registry import get
