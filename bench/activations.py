@@ -104,9 +104,9 @@ def run_models(args) -> dict:
 
 def kernel_rows(reps: int) -> list[dict]:
     """Activation kernels, device time with the queue full, against a device copy of the same tensor."""
-    from coat_ds.kernels.act_ops import get_act_ops
+    from coat_ds.kernels import get
 
-    ops = get_act_ops(torch.device("cuda"), "triton")
+    ops = get("act_codec", torch.device("cuda"), "triton")
     x = torch.randn(16384, 4096, device="cuda", dtype=torch.bfloat16)
     n, y = x.numel(), torch.empty_like(x)
     codes, exps = ops.quantize_rows(x, 16)
@@ -191,9 +191,9 @@ def run_host(args) -> dict:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     from coat_ds import ActivationConfig
     from coat_ds.activation.hooks import SavedTensorCompressor
-    from coat_ds.kernels import act_quant
+    from coat_ds.kernels import act_codec
 
-    act_quant.launch = lambda *a, **k: None
+    act_codec.launch = lambda *a, **k: None
     torch.set_num_threads(1)
     comp = SavedTensorCompressor(ActivationConfig(backend="triton"))
     x = torch.randn(2, 32, 64, dtype=torch.bfloat16, requires_grad=True)

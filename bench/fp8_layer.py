@@ -16,9 +16,10 @@ import torch
 def bench_kernels() -> list[str]:
     """Quantize(+transpose) against a same-size copy; GB/s counts each byte the kernels must move
     once (read x, write the codes): the max pass reads x a second time, a held guess does not."""
-    from coat_ds.kernels import reference
-    from coat_ds.kernels.fp8_linear import linear_quantize, new_guess
+    from coat_ds.kernels import get, reference
+    from coat_ds.kernels.fp8_linear import linear_quantize_triton as linear_quantize, new_guess
 
+    get("fp8_linear", torch.device("cuda"), "triton")  # compiles the module's kernels
     rows = ["| tensor | layouts | ours us | GB/s (unique bytes) | copy GB/s | ours / copy | torch twin us |",
             "|---|---|---|---|---|---|---|"]
     for name, shape, dtype in (("x 16384x4096 bf16", (16384, 4096), torch.bfloat16),

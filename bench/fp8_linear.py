@@ -185,7 +185,8 @@ def saved_bytes(args) -> list[str]:
                 seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
 
-        with mock.patch.object(shared_input, "lookup", shared_input.lookup if share else lambda x, recipe: None), \
+        codes_for = shared_input.SharedInput.codes_for if share else lambda shared, recipe: None
+        with mock.patch.object(shared_input.SharedInput, "codes_for", codes_for), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()

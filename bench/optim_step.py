@@ -153,7 +153,7 @@ def run_host(args) -> dict:
 
     if args.fallback:
         chunked = slot()
-        steps["fallback: chunked reference"] = lambda: host.adamw_step([chunked], hyper, fused=False)
+        steps["fallback: chunked reference"] = lambda: host.host_step([chunked], hyper, fused=False)
     if args.whole:
         whole = slot()
         steps["reference step, whole partition"] = lambda: R.adamw_step([whole], hyper)

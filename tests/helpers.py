@@ -56,6 +56,17 @@ def spy_packs(handle, keep_tensors=True) -> list:
     return seen
 
 
+def bound(op: str):
+    """The file of registry op `op` with its Triton kernels compiled (`TRITON`, its launchers,
+    callable), whatever device the caller's tensors are on: the caller has checked that
+    Triton runs there (TRITON_INTERPRET=1 on CPU)."""
+    from coat_ds.kernels import jit, registry
+
+    module = registry.OPS[op]
+    jit.bind(module)
+    return module
+
+
 def moments_like(shape, seed: int, device="cpu"):
     """Non-zero first and second moments spanning the decades real AdamW moments span, with
     m**2 <= v as AdamW's own moments satisfy (so |m| / sqrt(v) <= 1)."""

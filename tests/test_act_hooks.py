@@ -118,7 +118,7 @@ def test_shared_save_is_dequantized_once_for_all_its_users():
     seen = spy_packs(handle)
     ops = handle.compressor._ops_for(torch.empty(0))
     calls = []
-    counted = SimpleNamespace(**vars(ops))
+    counted = SimpleNamespace(**ops._asdict())
     for name in ("dequantize_tensor", "dequantize_rows"):
         fn = getattr(ops, name)
         setattr(counted, name, lambda *a, _fn=fn, **k: calls.append(1) or _fn(*a, **k))

@@ -6,13 +6,12 @@ import pytest
 import torch
 
 from coat_ds.kernels import act_codec as codec
-from coat_ds.kernels.act_ops import get_act_ops
+from coat_ds.kernels import get
 from coat_ds.kernels.fp8 import get_format
 
 
 def _triton():
-    return get_act_ops(torch.device("cpu"), "triton") if not torch.cuda.is_available() else get_act_ops(
-        torch.device("cuda"), "triton")
+    return get("act_codec", torch.device("cuda" if torch.cuda.is_available() else "cpu"), "triton")
 
 
 def _data(shape, dtype, device, seed=0):
@@ -100,7 +99,7 @@ def test_triton_decodes_every_code_as_the_definition(fmt, device):
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_zeros_and_extremes_stay_finite(backend):
-    ops = _triton() if backend == "triton" else get_act_ops(torch.device("cpu"), "torch")
+    ops = _triton() if backend == "triton" else get("act_codec", torch.device("cpu"), "torch")
     dev = "cuda" if (backend == "triton" and torch.cuda.is_available()) else "cpu"
     fmax = torch.finfo(torch.float32).max
     x = torch.zeros(4, 32, device=dev)
@@ -130,7 +129,7 @@ def test_per_tensor_two_stage_max_spans_programs(device):
 def test_launch_cache_key_separates_what_triton_specializes_on():
     # A compiled kernel is reused only for arguments Triton would have compiled it for:
     # pointer dtype and 16-byte alignment, integer divisibility by 16, value 1, width.
-    from coat_ds.kernels.act_launch import _spec
+    from coat_ds.kernels.jit import _spec
 
     buf = torch.empty(64)
     assert _spec((buf,)) == _spec((torch.empty(32),))
@@ -150,7 +149,7 @@ def test_launch_cache_key_separates_what_triton_specializes_on():
 def test_non_finite_values_pass_through_and_do_not_set_scales(backend, fmt, device):
     # A masked logit (-inf) used to become its group's (or tensor's) max: the scale went to
     # 2**126 and every finite value of the group decoded to 0.
-    ops = _triton() if backend == "triton" else get_act_ops(torch.device("cpu"), "torch")
+    ops = _triton() if backend == "triton" else get("act_codec", torch.device("cpu"), "torch")
     dev = device if backend == "triton" else "cpu"
     for dtype in (torch.float32, torch.bfloat16):
         x = _data((6, 40), dtype, dev, seed=7)
@@ -213,7 +212,7 @@ def test_launchers_resolve_the_isa_once_per_device(monkeypatch):
     # Host cost: every saved tensor calls a launcher in pack and in unpack, and resolving
     # the ISA from x.device each time cost more than the rest of the check. It is looked up
     # once per device, and again after fp8.set_fp8_conversions clears fp8's own cache.
-    from coat_ds.kernels import act_quant, fp8
+    from coat_ds.kernels import fp8
 
     calls = []
     kernel_isa = fp8.kernel_isa
@@ -221,8 +220,8 @@ def test_launchers_resolve_the_isa_once_per_device(monkeypatch):
     monkeypatch.setattr(fp8, "_TENSOR_ISA", {})
     x = torch.randn(4, 32)
     for _ in range(3):
-        assert act_quant._check(x) == kernel_isa(x.device)
+        assert codec._check(x) == kernel_isa(x.device)
     assert len(calls) == 1
     fp8.set_fp8_conversions(None)  # clears fp8's cache (what a mode change does)
-    act_quant._check(x)
+    codec._check(x)
     assert len(calls) == 2

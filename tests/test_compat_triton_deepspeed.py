@@ -123,17 +123,18 @@ def test_public_launch_fallback_gives_the_same_result(monkeypatch):
     # is `fn[grid]`, and here it writes the same bits as the interpreter's own launch.
     import triton
 
-    from coat_ds.kernels import act_launch
-    from coat_ds.kernels import act_quant as aq
+    from coat_ds.kernels import act_codec as aq
+    from coat_ds.kernels import get, jit
     from coat_ds.kernels.fp8 import ISA_GENERIC
 
+    codec = get("act_codec", torch.device("cpu"), "triton")
     monkeypatch.setattr(tr_compat, "triton_version", lambda: (3, 5))
     torch.manual_seed(0)
     x = torch.randn(3000) * torch.logspace(-3, 2, 3000)
-    codes, exp = aq.quantize_tensor(x)
-    expected = aq.dequantize_tensor(codes, exp)
+    codes, exp = codec.quantize_tensor(x)
+    expected = codec.dequantize_tensor(codes, exp)
     with pytest.warns(RuntimeWarning, match="direct launch of compiled Triton kernels is unavailable"):
-        run = act_launch._launcher(aq._dequantize_tensor_kernel, None, aq._NUM_WARPS)
+        run = jit._launcher(aq._dequantize_tensor_kernel, None, aq._NUM_WARPS)
     out = torch.empty_like(x)
     n = x.numel()
     run(triton.cdiv(n, aq.BLOCK_ELEMS), (codes, exp, out, n, aq._out_max(torch.float32)),
@@ -145,14 +146,15 @@ def test_public_launch_fallback_gives_the_same_result(monkeypatch):
 
 @interpreted
 def test_cpu_launches_never_warn(monkeypatch):
-    from coat_ds.kernels import act_quant as aq
+    from coat_ds.kernels import get
 
+    codec = get("act_codec", torch.device("cpu"), "triton")
     monkeypatch.setattr(tr_compat, "triton_version", lambda: (3, 5))
     x = torch.randn(64, 32)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        codes, exps = aq.quantize_groups(x)
-        aq.dequantize_groups(codes, exps)
+        codes, exps = codec.quantize_rows(x)
+        codec.dequantize_rows(codes, exps)
     assert _runtime_warnings(record) == []
 
 

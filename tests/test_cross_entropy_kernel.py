@@ -18,6 +18,7 @@ import torch
 
 from coat_ds.kernels import reference
 from coat_ds.loss import linear_cross_entropy
+from helpers import bound
 
 _P = {torch.float32: 20, torch.bfloat16: 7, torch.float16: 10}
 
@@ -25,9 +26,7 @@ _P = {torch.float32: 20, torch.bfloat16: 7, torch.float16: 10}
 def _kernel():
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
-    from coat_ds.kernels import cross_entropy
-
-    return cross_entropy.cross_entropy_rows
+    return bound("cross_entropy").TRITON.rows
 
 
 def _logits(rows, vocab, dtype, seed=0, device="cpu"):
@@ -138,11 +137,10 @@ def test_backend_is_validated_and_named():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_kernel_matches_twin_at_a_llama_vocabulary(dtype):
-    from coat_ds.kernels import cross_entropy
-
+    rows = bound("cross_entropy").TRITON.rows
     x, labels = _logits(300, 32000, dtype, device="cuda")
-    _check(cross_entropy.cross_entropy_rows, x, labels, None)
-    _check(cross_entropy.cross_entropy_rows, x, labels, torch.tensor([1 / 225.0], device="cuda"))
+    _check(rows, x, labels, None)
+    _check(rows, x, labels, torch.tensor([1 / 225.0], device="cuda"))
 
 
 @pytest.mark.gpu

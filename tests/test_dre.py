@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from coat_ds.kernels import AdamWHyper, AdamWSlot, QuantizedGroups, get_format, get_ops, host, host_native
+from coat_ds.kernels import AdamWHyper, AdamWSlot, QuantizedGroups, get, get_format, host, host_native
 from coat_ds.kernels import reference as R
 
 
@@ -26,9 +26,12 @@ def real_moments():
     return m, v
 
 
-def _update_mse(m, v, ops, fmt_m, dre_m, fmt_v, dre_v, eps=1e-8):
-    mq = ops.dequantize_groups(ops.quantize_groups(m, 128, fmt_m, dre_m), 128, fmt_m)
-    vq = ops.dequantize_groups(ops.quantize_groups(v, 128, fmt_v, dre_v), 128, fmt_v)
+TWIN = get("group_codec", torch.device("cpu"), "torch")
+
+
+def _update_mse(m, v, codec, fmt_m, dre_m, fmt_v, dre_v, eps=1e-8):
+    mq = codec.dequantize(codec.quantize(m, 128, fmt_m, dre_m), 128, fmt_m)
+    vq = codec.dequantize(codec.quantize(v, 128, fmt_v, dre_v), 128, fmt_v)
     ref = m / (v.sqrt() + eps)
     return ((mq / (vq.sqrt() + eps) - ref) ** 2).mean().item()
 
@@ -37,8 +40,8 @@ def test_dre_cuts_update_error_at_least_1_6x(real_moments):
     """The paper reports ~1.6x lower MSE of m/sqrt(v) with DRE (E4M3/E4M3); we measure
     2.7x on these moments (tests/test_dre.py, reference path)."""
     m, v = real_moments
-    plain = _update_mse(m, v, R, "e4m3", False, "e4m3", False)
-    dre = _update_mse(m, v, R, "e4m3", True, "e4m3", True)
+    plain = _update_mse(m, v, TWIN, "e4m3", False, "e4m3", False)
+    dre = _update_mse(m, v, TWIN, "e4m3", True, "e4m3", True)
     assert plain / dre >= 1.6, (plain, dre)
 
 
@@ -46,7 +49,7 @@ def test_format_ranking_matches_paper(real_moments):
     """E4M3+DRE for both moments beats every plain combination, and E5M2 first moments
     are the worst (the paper's Table 1 ordering)."""
     m, v = real_moments
-    err = {(fm, dm, fv, dv): _update_mse(m, v, R, fm, dm, fv, dv)
+    err = {(fm, dm, fv, dv): _update_mse(m, v, TWIN, fm, dm, fv, dv)
            for fm in ("e4m3", "e5m2") for dm in (False, True) for fv in ("e4m3", "e5m2") for dv in (False, True)}
     best = err[("e4m3", True, "e4m3", True)]
     assert all(best < e for k, e in err.items() if not (k[1] or k[3]))
@@ -63,9 +66,8 @@ def test_dre_never_flushes_second_moments(real_moments):
 def test_triton_dre_error_matches_reference(real_moments, device):
     """The Triton kernels (interpreted on CPU, on a 64k-element slice) give the same error."""
     m, v = (t[:65536].to(device) for t in real_moments)
-    tri = get_ops(device, "triton")
-    e_tri = _update_mse(m, v, tri, "e4m3", True, "e4m3", True)
-    e_ref = _update_mse(m.cpu(), v.cpu(), R, "e4m3", True, "e4m3", True)
+    e_tri = _update_mse(m, v, get("group_codec", device, "triton"), "e4m3", True, "e4m3", True)
+    e_ref = _update_mse(m.cpu(), v.cpu(), TWIN, "e4m3", True, "e4m3", True)
     assert abs(e_tri - e_ref) <= 0.05 * e_ref
 
 
@@ -87,11 +89,11 @@ def test_wide_groups_keep_their_top_decades_within_30_percent(decades, device):
     every element of a group spanning 40+ decades); smaller elements are never 0, never inf,
     and keep their sign. Narrower groups: test_error_bound_over_every_span."""
     x = _wide_groups(decades)
-    for ops in (R, get_ops(device, "triton")):
-        d = ops.dequantize_groups(ops.quantize_groups(x.to(device), 128, "e4m3", True), 128, "e4m3").cpu()
+    for codec in (get("group_codec", device, "torch"), get("group_codec", device, "triton")):
+        d = codec.dequantize(codec.quantize(x.to(device), 128, "e4m3", True), 128, "e4m3").cpu()
         rel = (d - x).abs() / x.abs()
         top = x.abs() >= x.abs().amax(-1, keepdim=True) * 1e-16
-        assert rel[top].max().item() < 0.30, (ops, rel[top].max())
+        assert rel[top].max().item() < 0.30, (codec, rel[top].max())
         assert torch.isfinite(d).all() and (d != 0).all() and (torch.sign(d) == torch.sign(x)).all()
 
 
@@ -127,7 +129,7 @@ def _host_quantize(x: torch.Tensor, fmt: str) -> QuantizedGroups:
     slot = AdamWSlot(torch.zeros_like(x), x.clone(), zeros, R.quantize_groups(torch.zeros_like(x), fmt=fmt))
     hyper = AdamWHyper(lr=1.0, beta1=0.0, beta2=0.0, eps=1e-8, weight_decay=0.0, step_size=1.0,
                        bias_correction2_sqrt=1.0, step=1.0)
-    host.adamw_step([slot], hyper, fmt_m=fmt, fmt_v=fmt, dre=True)
+    host.host_step([slot], hyper, fmt_m=fmt, fmt_v=fmt, dre=True)
     return slot.exp_avg
 
 
@@ -146,8 +148,8 @@ def test_error_bound_over_every_span(fmt, impl, device):
             pytest.skip("the host kernel did not build here")
         q = _host_quantize(x, fmt)
     else:
-        ops = R if impl == "torch" else get_ops(device, "triton")
-        q = QuantizedGroups(*(t.cpu() for t in ops.quantize_groups(x.to(device), 128, fmt, True)))
+        codec = get("group_codec", device, "torch" if impl == "torch" else "triton")
+        q = QuantizedGroups(*(t.cpu() for t in codec.quantize(x.to(device), 128, fmt, True)))
     d = R.dequantize_groups(q, 128, fmt)
     rel = ((d.double() - x.double()).abs() / x.double().abs())
     k = q.kcode.double() / 16

@@ -19,7 +19,7 @@ from torch import nn
 import coat_ds
 from coat_ds import Fp8Linear, Fp8LinearConfig, convert_to_fp8_linear
 from coat_ds.kernels import reference
-from helpers import census, sqnr_db
+from helpers import bound, census, sqnr_db
 
 FWD_DB, DX_DB, DW_DB = 25.0, 21.0, 21.0
 # M = 2 * 37 tokens is no multiple of 16: the transposed copies carry zero padding.
@@ -112,7 +112,7 @@ def test_saves_only_fp8_input_and_params():
 def test_triton_kernel_matches_twin():
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
-    from coat_ds.kernels.fp8_linear import linear_quantize
+    linear_quantize = bound("fp8_linear").linear_quantize_triton
 
     torch.manual_seed(2)
     for shape, dtype in (((37, 96), torch.bfloat16), ((64, 130), torch.float32)):
@@ -139,8 +139,9 @@ def test_triton_kernel_matches_twin():
 
 
 def _check_guessed_exponent(device):
-    from coat_ds.kernels.fp8_linear import linear_quantize, new_guess
+    from coat_ds.kernels.fp8_linear import new_guess
 
+    linear_quantize = bound("fp8_linear").linear_quantize_triton
     torch.manual_seed(15)
     for shape, dtype in (((37, 96), torch.bfloat16), ((64, 130), torch.float32)):
         x = (torch.randn(shape, device=device) * 5).to(dtype)
@@ -173,9 +174,9 @@ def test_weight_guess_follows_a_changing_weight():
     the guess state handed in holds the exponent found."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
-    from coat_ds.kernels import layout, ops
+    from coat_ds.kernels import get, layout
 
-    quantize = ops.get_linear_ops(torch.device("cpu"), "triton", opaque=True)
+    quantize = get("fp8_linear", torch.device("cpu"), "triton").quantize_kept
     guess = layout.new_weight_guess(torch.device("cpu"))
     torch.manual_seed(16)
     w = torch.randn(48, 96)
@@ -191,8 +192,6 @@ def test_weight_guess_follows_a_changing_weight():
 def test_quantize_op_declares_the_guess_it_updates():
     """The state the kernels update is an argument the op's schema marks as written, so that
     torch.compile functionalizes it instead of missing it."""
-    from coat_ds.kernels import linear_ops  # noqa: F401 (registers the op)
-
     args = {a.name: a for a in torch.ops.coat_ds.fp8_linear_quantize.default._schema.arguments}
     assert args["guess"].alias_info is not None and args["guess"].alias_info.is_write
     assert all(a.alias_info is None for name, a in args.items() if name != "guess")
@@ -217,7 +216,7 @@ def test_backward_reuses_the_weight_exponent(monkeypatch, backend):
     _, m = _pair(config=Fp8LinearConfig(fp8_gemm="on", backend=backend))
     e_w = reference.linear_quantize(m.weight.detach(), "e4m3")[2]
     calls = []
-    real_ref, real_launch = reference.linear_finite_absmax, fp8_linear.launch
+    real_ref, real_launch = fp8_linear.linear_finite_absmax, fp8_linear.launch
 
     def counting_ref(x, split=0):
         calls.append(tuple(x.shape))
@@ -228,7 +227,7 @@ def test_backward_reuses_the_weight_exponent(monkeypatch, backend):
             calls.append(fn)
         return real_launch(fn, *a, **k)
 
-    monkeypatch.setattr(reference, "linear_finite_absmax", counting_ref)
+    monkeypatch.setattr(fp8_linear, "linear_finite_absmax", counting_ref)
     monkeypatch.setattr(fp8_linear, "launch", counting_launch)
     torch.manual_seed(4)
     x, g = torch.randn(B, S, K), torch.randn(B, S, N)
@@ -506,7 +505,6 @@ def test_torch_compile_fullgraph():
     """No graph break per layer: with the torch twins (Inductor fuses them) and with the
     Triton custom op (traced through its fake implementation)."""
     from coat_ds.kernels import fp8
-    from coat_ds.linear import shared_input
 
     torch._dynamo.reset()
     for backend in ("auto", "torch", "triton"):
@@ -522,7 +520,6 @@ def test_torch_compile_fullgraph():
         x, g = torch.randn(B, S, K), torch.randn(B, S, N)
         y0, dx0, dw0, _ = _run(eager, x, g)
         fp8._LOGGED.clear()  # so the first-call log line is met while tracing: it must not break the graph
-        shared_input._local.__dict__.clear()  # nor the shared-input state of a fresh thread
         y, dx, dw, _ = _run(compiled, x, g)
         assert sqnr_db(y0, y) > 40 and sqnr_db(dx0, dx) > 40 and sqnr_db(dw0, dw) > 40, backend
         # The op's update of the layer's guess survives functionalization (twins ignore it).
@@ -637,7 +634,7 @@ def test_cuda_weight_quantize_from_a_guessed_exponent():
 def test_cuda_kernel_and_twin_agree_with_and_without_a_given_exponent():
     """The Triton kernel and the twin (BF16 scaled in BF16 on the GPU too) give the same
     codes, and a given exponent gives the codes of the exponent it equals."""
-    from coat_ds.kernels.fp8_linear import linear_quantize
+    linear_quantize = bound("fp8_linear").linear_quantize_triton
 
     torch.manual_seed(7)
     for dtype in (torch.bfloat16, torch.float32):
@@ -710,11 +707,10 @@ def _check_siblings_share(monkeypatch, backend, device):
     x, g = torch.randn(B, S, K, device=device), torch.randn(B, S, N, device=device)
     saved = [t for t in _saved_by(m, x) if t.dtype == torch.uint8]
     assert len(saved) == 3 and len({t.untyped_storage().data_ptr() for t in saved}) == 1
-    shared_input.clear()
 
     def grads(share: bool):
         if not share:
-            monkeypatch.setattr(shared_input, "lookup", lambda x, recipe: None)
+            monkeypatch.setattr(shared_input.SharedInput, "codes_for", lambda shared, recipe: None)
         m.zero_grad(set_to_none=True)
         xr = x.clone().requires_grad_()
         m(xr).backward(g)
@@ -727,7 +723,7 @@ def _check_siblings_share(monkeypatch, backend, device):
 
 def test_shared_input_misses_on_change_and_clears_in_backward():
     """An in-place change of the input, another recipe or a new tensor is a miss; backward
-    drops the entry."""
+    drops the codes."""
     from coat_ds.linear import shared_input
 
     torch.manual_seed(9)
@@ -737,16 +733,18 @@ def test_shared_input_misses_on_change_and_clears_in_backward():
     x = torch.randn(B, S, K)
     with torch.no_grad():
         m.q(x)
-        assert shared_input.lookup(x, ("e4m3", True, "torch")) is not None
-        assert shared_input.lookup(x, ("e5m2", True, "torch")) is None
-        assert shared_input.lookup(x.clone(), ("e4m3", True, "torch")) is None
+        assert shared_input.on(x).codes_for(("e4m3", True, "torch")) is not None
+        assert shared_input.on(x).codes_for(("e5m2", True, "torch")) is None
+        assert shared_input.on(x.clone()).codes_for(("e4m3", True, "torch")) is None
         x.mul_(100)  # the cached codes no longer match x
-        assert shared_input.lookup(x, ("e4m3", True, "torch")) is None
+        assert shared_input.on(x).codes_for(("e4m3", True, "torch")) is None
         y_after, y_fresh = m.k(x), nn.functional.linear(x, m.k.weight, m.k.bias)
     assert sqnr_db(y_fresh, y_after) > FWD_DB
     xr = x.clone().requires_grad_()
-    m(xr).sum().backward()
-    assert shared_input.lookup(xr, ("e4m3", True, "torch")) is None
+    y = m(xr)
+    assert shared_input.on(xr).codes_for(("e4m3", True, "torch")) is not None
+    y.sum().backward()
+    assert shared_input.on(xr).codes_for(("e4m3", True, "torch")) is None
 
 
 @pytest.mark.parametrize("ckpt", [None, "non-reentrant", "reentrant"])
@@ -772,14 +770,15 @@ def test_shared_input_on_hf_llama_gives_the_same_gradients(ckpt):
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": ckpt == "reentrant"})
         m.train()
         ids = torch.randint(0, cfg.vocab_size, (2, 64))
-        real, hits = shared_input.lookup, []
+        real, hits = shared_input.SharedInput.codes_for, []
 
-        def lookup(x, recipe):
-            found = real(x, recipe) if share else None
+        def codes_for(shared, recipe):
+            found = real(shared, recipe) if share else None
             hits.append(found is not None)
             return found
 
-        with mock.patch.object(shared_input, "lookup", lookup), torch.autocast("cpu", dtype=torch.bfloat16):
+        with mock.patch.object(shared_input.SharedInput, "codes_for", codes_for), \
+                torch.autocast("cpu", dtype=torch.bfloat16):
             m(input_ids=ids, labels=ids).loss.backward()
         return [p.grad for p in m.parameters()], sum(hits)
 

@@ -352,11 +352,11 @@ def test_fsdp2_resume_on_fewer_ranks(tmp_path):
 
 def _decode(state: dict, name: str) -> torch.Tensor:
     """Element-wise decode of a gathered 1-D state (metadata repeated per element)."""
-    from coat_ds.kernels import QuantizedGroups, get_ops
+    from coat_ds.kernels import QuantizedGroups, get
 
     n = state[f"{name}_codes"].numel()
     qg = QuantizedGroups(*(state[f"{name}_{part}"].reshape(1, n) for part in ("codes", "center", "kcode", "sexp")))
-    return get_ops(torch.device("cpu"), "torch").dequantize_groups(qg, 1, "e4m3").reshape(n)
+    return get("group_codec", torch.device("cpu"), "torch").dequantize(qg, 1, "e4m3").reshape(n)
 
 
 # -- FSDP1 checkpoints ------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import coat_ds
 from coat_ds import Fp8LinearConfig, convert_to_fp8_linear, fuse_rms_norms
 from coat_ds.kernels import reference
 from coat_ds.linear import shared_input
+from helpers import bound
 
 HIDDEN = (37, 128, 1000)  # odd, a power of two, wider than one 512-lane block
 # (x dtype, weight dtype): the model's dtype; BF16 autocast over FP32 weights; mixed.
@@ -32,9 +33,7 @@ _P = {torch.float32: 20, torch.bfloat16: 7, torch.float16: 10}
 def _interpreted():
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
-    from coat_ds.kernels import rms_norm
-
-    return rms_norm
+    return bound("rms_norm").TRITON
 
 
 def _inputs(rows, hidden, x_dtype, w_dtype, seed=0):
@@ -65,7 +64,7 @@ def test_forward_kernel_matches_twin(hidden, dtypes, cast_first):
     k = _interpreted()
     x, w = _inputs(9, hidden, *dtypes)
     x[3] = 0  # a zero row: rstd = 1 / sqrt(eps), y = 0, no NaN
-    y, rstd, amax = k.rms_norm_forward(x, w, 1e-6, cast_first)
+    y, rstd, amax = k.forward(x, w, 1e-6, cast_first)
     y0, rstd0, amax0 = reference.rms_norm_forward(x, w, 1e-6, cast_first)
     err, mag = _close(y, y0, _P[y0.dtype])
     assert (err <= mag * 2.0 ** -_P[y0.dtype]).all(), err.max()
@@ -85,7 +84,7 @@ def test_backward_kernel_matches_twin(hidden, dtypes, cast_first):
     x[5] = 0
     y, rstd, _ = reference.rms_norm_forward(x, w, 1e-6, cast_first)
     dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(2)).to(y.dtype)
-    dx, dw = k.rms_norm_backward(dy, x, w, rstd, cast_first)
+    dx, dw = k.backward(dy, x, w, rstd, cast_first)
     dx0, dw0 = reference.rms_norm_backward(dy, x, w, rstd, cast_first)
     for got, want, p in ((dx, dx0, _P[x.dtype]), (dw, dw0, _P[w.dtype])):
         err, mag = _close(got, want, p)
@@ -101,7 +100,7 @@ def test_non_finite_rows_do_not_set_the_max():
     k = _interpreted()
     x, w = _inputs(6, 96, torch.bfloat16, torch.bfloat16)
     x[1, 7], x[4, 0] = float("inf"), float("nan")
-    y, _, amax = k.rms_norm_forward(x, w, 1e-6, True)
+    y, _, amax = k.forward(x, w, 1e-6, True)
     y0, _, amax0 = reference.rms_norm_forward(x, w, 1e-6, True)
     assert torch.isnan(y).equal(torch.isnan(y0)) and torch.isnan(y[4]).all() and torch.isnan(y[1, 7])
     assert torch.equal(y[1].nan_to_num(), torch.zeros_like(y[1]))
@@ -116,10 +115,10 @@ def test_codes_from_the_folded_max_equal_the_linear_layers_own(fmt):
     """Quantized with the norm's max, y's codes (both layouts) and exponent are bit for bit
     those of the FP8 linear layers' own max pass: Triton kernels and twins."""
     k = _interpreted()
-    from coat_ds.kernels.fp8_linear import linear_quantize
+    linear_quantize = bound("fp8_linear").linear_quantize_triton
 
     x, w = _inputs(37, 96, torch.bfloat16, torch.bfloat16, seed=3)  # 37 rows: padded transposed copy
-    for fwd, quantize in ((k.rms_norm_forward, linear_quantize), (reference.rms_norm_forward, reference.linear_quantize)):
+    for fwd, quantize in ((k.forward, linear_quantize), (reference.rms_norm_forward, reference.linear_quantize)):
         y, _, amax = fwd(x, w, 1e-6, True)
         own = quantize(y, fmt, True, True)
         handed = quantize(y, fmt, True, True, amax=amax)
@@ -185,20 +184,22 @@ class _NormThenSiblings(nn.Module):
 
 def _saved_codes(m, x, monkeypatch):
     """(codes autograd saved in m's forward, quantize calls: whether each was handed a max)."""
-    from coat_ds.linear import function
+    from coat_ds.linear import layer
 
     calls, saved = [], []
-    real = function.get_linear_ops
+    real = layer.get
 
-    def counting(device, backend="auto", opaque=False):
-        quantize = real(device, backend, opaque)
+    def counting(op, *args):
+        kernels = real(op, *args)
 
-        def wrapped(*args, **kw):
+        def quantize(*a, **kw):
             calls.append(kw.get("amax") is not None)
-            return quantize(*args, **kw)
-        return wrapped
+            return kernels.quantize(*a, **kw)
+        return kernels._replace(quantize=quantize)
 
-    monkeypatch.setattr(function, "get_linear_ops", counting)
+    monkeypatch.setattr(layer, "get", counting)
+    for mod in m.modules():
+        mod.__dict__.pop("_fp8_spec", None)  # each layer's kernels, taken again (counted) at its next call
 
     def pack(t):
         saved.append(t)
@@ -206,8 +207,7 @@ def _saved_codes(m, x, monkeypatch):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         m(x.clone().requires_grad_())
-    monkeypatch.setattr(function, "get_linear_ops", real)
-    shared_input.clear()
+    monkeypatch.setattr(layer, "get", real)
     return [t for t in saved if t.dtype == torch.uint8], calls
 
 
@@ -240,15 +240,15 @@ def test_the_offer_is_dropped_on_change_and_in_backward():
     fuse_rms_norms(m, config=Fp8LinearConfig(backend="torch"))
     x = torch.randn(3, 64, requires_grad=True)
     y = m(x)
-    assert shared_input.offered_max(y) is not None and shared_input.offered_max(y.detach().clone()) is None
+    assert shared_input.on(y).amax is not None and shared_input.on(y.detach().clone()).amax is None
     with torch.no_grad():
         y.mul_(2)
-    assert shared_input.offered_max(y) is None
+    assert shared_input.on(y).amax is None
     y2 = m(x)
     lin = convert_to_fp8_linear(nn.Linear(64, 16), config=Fp8LinearConfig(fp8_gemm="on", backend="torch"),
                                 module_filter_fn=lambda mod, fqn: True)
     lin(y2).sum().backward()
-    assert shared_input.offered_max(y2) is None
+    assert shared_input.on(y2).amax is None
 
 
 def _tiny_model(arch):
@@ -381,19 +381,18 @@ def test_cuda_kernels_match_the_twins(dtypes):
     than a block. The twin's rstd there is CUDA's approximate rsqrt (2 ulp) where the kernel
     divides by a correctly rounded sqrt, so x * rstd may round to x's dtype on the other side
     of a tie: y within one rounding of x's dtype plus one of its own."""
-    from coat_ds.kernels import rms_norm as k
-
+    k = bound("rms_norm").TRITON
     for hidden in (4096, 1000):
         x, w = (t.cuda() for t in _inputs(300, hidden, *dtypes, seed=4))
         x[7] = 0
-        y, rstd, amax = k.rms_norm_forward(x, w, 1e-6, True)
+        y, rstd, amax = k.forward(x, w, 1e-6, True)
         y0, rstd0, _ = reference.rms_norm_forward(x, w, 1e-6, True)
         err, mag = _close(y, y0, _P[y0.dtype])
         assert (err <= mag * (2.0 ** -_P[x.dtype] + 2.0 ** -_P[y0.dtype])).all(), (err / mag).max()
         assert ((rstd - rstd0).abs() <= rstd0 * 2.0 ** -21).all() and (y[7] == 0).all()
         assert torch.equal(amax, _finite_max_bits(y))
         dy = torch.randn(y.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(5)).to(y.dtype)
-        dx, dw = k.rms_norm_backward(dy, x, w, rstd0, True)
+        dx, dw = k.backward(dy, x, w, rstd0, True)
         dx0, dw0 = reference.rms_norm_backward(dy, x, w, rstd0, True)
         for got, want, p in ((dx, dx0, _P[x.dtype]), (dw, dw0, _P[w.dtype])):
             err, mag = _close(got, want, p)

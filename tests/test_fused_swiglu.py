@@ -23,12 +23,11 @@ from torch import nn
 
 import coat_ds
 from coat_ds import Fp8Linear, Fp8LinearConfig, convert_to_fp8_linear, fuse_swiglu
-from coat_ds.kernels import reference
-from coat_ds.kernels.linear_ops import GEMM_ALIGN
-from coat_ds.kernels.ops import get_linear_ops
+from coat_ds.kernels import fp8_linear, get, reference
+from coat_ds.kernels.fp8 import GEMM_ALIGN
 from coat_ds.linear import shared_input
 from coat_ds.linear.swiglu import swiglu
-from helpers import sqnr_db
+from helpers import bound, sqnr_db
 
 needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                        reason="Triton on CPU tensors needs TRITON_INTERPRET=1")
@@ -38,9 +37,7 @@ SHAPES = [(37, 301), (5000,), (2, 3, 130)]
 
 
 def _kernels():
-    from coat_ds.kernels import swiglu as kernels
-
-    return kernels
+    return bound("swiglu").TRITON
 
 
 def _data(shape, dtype, seed=0):
@@ -67,9 +64,9 @@ def _assert_16bit_close(got, want):
 def test_kernels_match_the_twins(shape, dtype):
     k = _kernels()
     g, u, dh = _data(shape, dtype)
-    h, amax = k.swiglu_forward(g, u, True)
+    h, amax = k.forward(g, u, True)
     h_t, amax_t = reference.swiglu_forward(g, u, True)
-    dg, du = k.swiglu_backward(dh, g, u)
+    dg, du = k.backward(dh, g, u)
     dg_t, du_t = reference.swiglu_backward(dh, g, u)
     assert h.shape == g.shape and h.dtype == dg.dtype == du.dtype == dtype
     # The folded max is that of the kernel's own stored h, bit for bit.
@@ -87,7 +84,7 @@ def test_kernels_match_the_twins(shape, dtype):
             _assert_16bit_close(got, want)
         assert (dg != dg_t).float().mean() < 0.01
     # Without the max, the same h.
-    h2, none = k.swiglu_forward(g, u, False)
+    h2, none = k.forward(g, u, False)
     assert none is None and torch.equal(h2, h)
 
 
@@ -111,10 +108,10 @@ def test_bf16_rounding_is_nearest_even_at_every_tie():
     u = 1 + torch.arange(128, dtype=torch.float32) / 128
     u = torch.cat([u, -u]).to(torch.bfloat16)
     g = torch.full_like(u, 20.0)
-    h, _ = _kernels().swiglu_forward(g, u)
+    h, _ = _kernels().forward(g, u)
     assert torch.equal(h, nn.functional.silu(g) * u)
     assert (h.float() != 20 * u.float()).any()  # some products were rounded
-    dg, du = _kernels().swiglu_backward(u, g, u)  # dh * u and dh * silu(g) round too
+    dg, du = _kernels().backward(u, g, u)  # dh * u and dh * silu(g) round too
     dg_t, du_t = reference.swiglu_backward(u, g, u)
     assert torch.equal(du, du_t) and torch.equal(dg, dg_t)
 
@@ -122,7 +119,7 @@ def test_bf16_rounding_is_nearest_even_at_every_tie():
 @needs_interpreter
 @pytest.mark.parametrize("impl", ["kernel", "twin"])
 def test_zeros_give_zeros_and_no_nan(impl):
-    fwd, bwd = ((_kernels().swiglu_forward, _kernels().swiglu_backward) if impl == "kernel"
+    fwd, bwd = ((_kernels().forward, _kernels().backward) if impl == "kernel"
                 else (reference.swiglu_forward, reference.swiglu_backward))
     z = torch.zeros(33, 70, dtype=torch.bfloat16)
     h, amax = fwd(z, z, True)
@@ -139,7 +136,7 @@ def test_nonfinite_inputs_do_not_set_the_max():
     g, u, dh = _data((40, 96), torch.bfloat16, seed=2)
     g[0, :3] = torch.tensor([float("inf"), float("-inf"), float("nan")])
     u[1, 0] = float("inf")
-    h, amax = _kernels().swiglu_forward(g, u, True)
+    h, amax = _kernels().forward(g, u, True)
     h_t, amax_t = reference.swiglu_forward(g, u, True)
     assert torch.equal(h.isnan(), h_t.isnan()) and torch.equal(h.isinf(), h_t.isinf())
     assert h.isinf().any() and h.isnan().any()
@@ -147,7 +144,7 @@ def test_nonfinite_inputs_do_not_set_the_max():
     assert torch.equal(h[finite], h_t[finite])
     assert amax.item() == amax_t.item()
     assert amax.view(torch.float32).item() == h[finite].float().abs().max().item()
-    dg, du = _kernels().swiglu_backward(dh, g, u)
+    dg, du = _kernels().backward(dh, g, u)
     dg_t, du_t = reference.swiglu_backward(dh, g, u)
     for got, want in ((dg, dg_t), (du, du_t)):
         assert torch.equal(got.isnan(), want.isnan())
@@ -159,12 +156,10 @@ def test_nonfinite_inputs_do_not_set_the_max():
 def test_quantize_from_the_folded_max_is_the_quantizers_own(backend, fmt):
     """The FP8-linear cast given the max forward folded (no max pass) gives the codes and
     exponent of its own max pass, row-major and transposed (37 rows: padded)."""
-    from coat_ds.kernels.ops import get_swiglu_ops
-
-    forward, _ = get_swiglu_ops(torch.device("cpu"), backend)
+    forward = get("swiglu", torch.device("cpu"), backend).forward
     g, u, _ = _data((37, 96), torch.bfloat16, seed=5)
     h, amax = forward(g, u, True)
-    quantize = get_linear_ops(h.device, backend)
+    quantize = get("fp8_linear", h.device, backend).quantize
     for rowwise in (True, False):
         got = quantize(h, fmt, rowwise, True, amax=amax)
         want = quantize(h, fmt, rowwise, True)
@@ -188,21 +183,20 @@ def test_down_proj_takes_the_offered_max_and_makes_its_own_codes(backend, cfg):
     down = _down(160, 48, backend=backend, **cfg)
     g, u, _ = _data((2, 37, 160), torch.bfloat16, seed=4)
     g[0, 0, 0] = float("inf")
-    shared_input.clear()
     h = swiglu(g, u, down)
-    offered = shared_input.offered_max(h)
+    offered = shared_input.on(h).amax
     assert offered is not None
     assert offered.view(torch.float32).item() == reference.linear_finite_absmax(h).item()
     fmt = down.fp8_config.input_format
-    with torch.no_grad(), mock.patch.object(reference, "linear_finite_absmax",
-                                            wraps=reference.linear_finite_absmax) as max_pass:
+    with torch.no_grad(), mock.patch.object(fp8_linear, "linear_finite_absmax",
+                                            wraps=fp8_linear.linear_finite_absmax) as max_pass:
         y_offered = down(h)
-        codes_offered = shared_input._local.entry[3]
+        codes_offered = shared_input.on(h).codes
     assert all(c.args[0].shape != (74, 160) for c in max_pass.call_args_list), "h's max was read again"
-    shared_input.clear()
+    h_plain = h.detach().clone()  # h's values, nothing attached
     with torch.no_grad():
-        y_own = down(h)
-        codes_own = shared_input._local.entry[3]
+        y_own = down(h_plain)
+        codes_own = shared_input.on(h_plain).codes
     assert torch.equal(y_offered, y_own)
     assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(codes_offered, codes_own))
     assert codes_own[1].shape == (160, -(-74 // GEMM_ALIGN) * GEMM_ALIGN) and fmt in ("e4m3", "e5m2")
@@ -210,10 +204,9 @@ def test_down_proj_takes_the_offered_max_and_makes_its_own_codes(backend, cfg):
 
 def test_no_max_offered_without_an_fp8_down_proj():
     g, u, _ = _data((4, 64), torch.bfloat16)
-    shared_input.clear()
     h = swiglu(g, u, nn.Linear(64, 16))
     assert torch.equal(h, nn.functional.silu(g) * u)
-    assert shared_input.offered_max(h) is None
+    assert shared_input.on(h).amax is None
 
 
 def test_inputs_the_kernels_do_not_take_run_plain_ops():
@@ -255,18 +248,15 @@ def _train_step(arch, *, fuse, compress=False, backend="torch", fuse_first=False
     handle = coat_ds.compress_activations(m) if compress else None
     m.train()
     ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
-    hits = []
+    hits, real = [], shared_input.SharedInput.codes_for
 
-    def counted(real):
-        def call(*args):
-            found = real(*args)
-            hits.append(found is not None)
-            return found
-        return call
+    def codes_for(shared, recipe):
+        found = real(shared, recipe)
+        hits.append(found is not None or shared.amax is not None)  # no max pass either way
+        return found
 
     # Backward too: it may recompute.
-    with mock.patch.object(shared_input, "lookup", counted(shared_input.lookup)), \
-            mock.patch.object(shared_input, "offered_max", counted(shared_input.offered_max)):
+    with mock.patch.object(shared_input.SharedInput, "codes_for", codes_for):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = m(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -423,9 +413,9 @@ def test_cuda_kernels_match_the_twins_and_offer_the_quantizers_own_max(dtype):
     from the offered max equal those the Triton quantizer makes of h itself."""
     k = _kernels()
     g, u, dh = (t.cuda() for t in _data((300, 1000), dtype))
-    h, amax = k.swiglu_forward(g, u, True)
+    h, amax = k.forward(g, u, True)
     h_t, _ = reference.swiglu_forward(g, u)
-    dg, du = k.swiglu_backward(dh, g, u)
+    dg, du = k.backward(dh, g, u)
     dg_t, du_t = reference.swiglu_backward(dh, g, u)
     if dtype == torch.float32:
         # Triton's exp on a GPU is 2**(x log2 e) on the approximate ex2: the product's rounding
@@ -440,9 +430,9 @@ def test_cuda_kernels_match_the_twins_and_offer_the_quantizers_own_max(dtype):
             _assert_16bit_close(got.cpu(), want.cpu())
     assert amax.item() == reference.linear_finite_absmax(h).view(torch.int32).item()
     down = _down(1000, 64).cuda()
-    shared_input.clear()
     h = swiglu(g, u, down)
-    offered = shared_input.offered_max(h)
-    want = get_linear_ops(h.device, "auto")(h.view(-1, 1000), "e4m3", True, True)
-    got = get_linear_ops(h.device, "auto")(h.view(-1, 1000), "e4m3", True, True, amax=offered)
+    offered = shared_input.on(h).amax
+    quantize = get("fp8_linear", h.device).quantize
+    want = quantize(h.view(-1, 1000), "e4m3", True, True)
+    got = quantize(h.view(-1, 1000), "e4m3", True, True, amax=offered)
     assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from coat_ds import CoatAdamW
-from coat_ds.kernels import AdamWHyper, AdamWSlot, get_ops, group_layout, host, reference as R
+from coat_ds.kernels import AdamWHyper, AdamWSlot, get, group_layout, host, reference as R
 from coat_ds.config import OptimStateConfig
 from coat_ds.optim.moment import Fp8Moment
 
@@ -136,7 +136,7 @@ def test_triton_step_reads_and_writes_group_skips_like_the_reference():
     hyper = AdamWHyper.at_step(9, 1e-3, 0.9, 0.999, 1e-8, 0.01)
     before = a.param.clone()
     count_a, count_b = torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
-    get_ops(torch.device("cpu"), "triton").adamw_step([a], hyper, skipped=count_a, plan_cache={})
+    get("adamw", torch.device("cpu"), "triton").step([a], hyper, skipped=count_a, plan_cache={})
     R.adamw_step([b], hyper, skipped=count_b)
     want = skips.clone()
     want[0, 1] += 1
@@ -155,7 +155,7 @@ def test_host_chunks_carry_group_skips():
     skips = torch.randint(0, 5, (3, 3), dtype=torch.int32)
     a, b = _slot(2, skips.clone()), _slot(2, skips.clone())
     hyper = AdamWHyper.at_step(9, 1e-3, 0.9, 0.999, 1e-8, 0.01)
-    host.adamw_step([a], hyper, chunk_elems=128)
+    host.host_step([a], hyper, chunk_elems=128)
     R.adamw_step([b], hyper)
     assert torch.equal(a.param, b.param) and torch.equal(a.skips, b.skips)
     assert a.skips[0, 1] == skips[0, 1] + 1

@@ -1,8 +1,8 @@
 """The one kernel interface: every kernel a `torch.ops.coat_ds` custom op (schema, declared
 mutations and fake implementation checked by `torch.library.opcheck`), its CPU kernel the
 reference bit for bit, its CUDA body (Triton) the reference within the kernels' bounds
-under the interpreter; `get_ops`, `get_act_ops` and `get_linear_ops` views of one table;
-the FP8 capability threshold defined once."""
+under the interpreter; the registry's choice of backend; the FP8 capability threshold
+defined once."""
 from __future__ import annotations
 
 import os
@@ -10,9 +10,10 @@ import os
 import pytest
 import torch
 
-from coat_ds.kernels import AdamWHyper, AdamWSlot, QuantizedGroups, act_codec as A, fp8, get_ops, ops, reference as R
-from coat_ds.kernels.act_ops import get_act_ops
-from coat_ds.kernels.ops import get_linear_ops
+from coat_ds.kernels import AdamWHyper, AdamWSlot, QuantizedGroups, act_codec as A, fp8, get, reference as R
+from coat_ds.kernels.adamw import flat_slots
+from coat_ds.kernels.custom_ops import BODIES
+from coat_ds.kernels.registry import OPS
 from coat_ds.linear.layer import fp8_gemm_available
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -44,7 +45,7 @@ _HYPER = list(AdamWHyper.at_step(3, 1e-3, 0.9, 0.999, 1e-8, 0.01))
 
 
 def _adamw_args(quant: bool):
-    return (*ops.flat_slots(_slots(quant)), _HYPER, G, "e4m3", "e5m2", True, torch.zeros((), dtype=torch.int64))
+    return (*flat_slots(_slots(quant)), _HYPER, G, "e4m3", "e5m2", True, torch.zeros((), dtype=torch.int64))
 
 
 def _cases():
@@ -65,8 +66,9 @@ def _cases():
 
 
 def test_every_kernel_is_an_op():
-    assert set(ops.OP_NAMES) == {*_cases(), "fp8_linear_quantize"}
-    for name in ops.OP_NAMES:
+    names = {*BODIES, "fp8_linear_quantize"}
+    assert names == {*_cases(), "fp8_linear_quantize"}
+    for name in names:
         assert hasattr(torch.ops.coat_ds, name), name
 
 
@@ -113,11 +115,11 @@ def test_cpu_adamw_op_is_the_reference_step(quant):
     sa, sb = torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
     a[0].grad[1, 5] = float("nan")  # one skipped group, counted in both
     b[0].grad[1, 5] = float("nan")
-    torch.ops.coat_ds.adamw_step(*ops.flat_slots(a), _HYPER, G, "e4m3", "e5m2", True, sa)
+    torch.ops.coat_ds.adamw_step(*flat_slots(a), _HYPER, G, "e4m3", "e5m2", True, sa)
     R.adamw_step(b, AdamWHyper(*_HYPER), group_size=G, fmt_m="e4m3", fmt_v="e5m2", skipped=sb)
     written = [lambda f: f[0], lambda f: f[2], lambda f: f[3], lambda f: f[4]]
     for part in written:
-        assert _equal(part(ops.flat_slots(a)), part(ops.flat_slots(b)))
+        assert _equal(part(flat_slots(a)), part(flat_slots(b)))
     assert sa.item() == sb.item() == 1 and a[0].skips.sum().item() == 1
 
 
@@ -129,7 +131,7 @@ def test_fake_tensors_give_the_output_shapes():
         for name, args in cases.items():
             fargs = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
             out = getattr(torch.ops.coat_ds, name)(*fargs)
-            want = ops.BODIES[name](ops.torch_kernels(), *args)
+            want = _body(name, "torch", *args)
             if out is None:
                 assert want is None, name
                 continue
@@ -138,9 +140,15 @@ def test_fake_tensors_give_the_output_shapes():
             assert [(o.shape, o.dtype) for o in out] == [(w.shape, w.dtype) for w in want], name
 
 
+def _body(name, backend, *args):
+    """What op `name` runs on `backend`'s kernels (the CPU kernel: "torch"; CUDA: "triton")."""
+    registry_op, body = BODIES[name]
+    return body(get(registry_op, CPU, backend), *args)
+
+
 def _both(name):
     args = _cases()[name]
-    return ops.BODIES[name](ops.triton_kernels(), *args), ops.BODIES[name](ops.torch_kernels(), *args)
+    return _body(name, "triton", *args), _body(name, "torch", *args)
 
 
 @interpreted
@@ -168,8 +176,8 @@ def test_cuda_group_bodies_match_the_reference_under_the_interpreter():
 @interpreted
 def test_cuda_adamw_body_matches_the_reference_under_the_interpreter():
     a, b = _adamw_args(True), _adamw_args(True)
-    ops.BODIES["adamw_step"](ops.triton_kernels(), *a)
-    ops.BODIES["adamw_step"](ops.torch_kernels(), *b)
+    _body("adamw_step", "triton", *a)
+    _body("adamw_step", "torch", *b)
     # tests/test_kernels.py's bound for the fused step: parameters to float32 rounding,
     # moment codes within one code.
     for x, y in zip(a[0], b[0]):
@@ -179,19 +187,23 @@ def test_cuda_adamw_body_matches_the_reference_under_the_interpreter():
         assert diff.max() <= (1 if x.dtype == torch.uint8 else 1e-6 * y.abs().max().item()), x.dtype
 
 
-def test_one_table_behind_every_view(monkeypatch):
-    torch_table = ops.torch_kernels()
-    assert get_ops(CPU) is torch_table and get_act_ops(CPU) is torch_table
-    assert get_linear_ops(CPU) is torch_table.linear_quantize
-    assert get_linear_ops(CPU, opaque=True) is torch_table.linear_quantize_opaque
-    assert get_ops(CPU, "torch").adamw_step is ops.torch_kernels().adamw_step
+def test_the_registry_picks_the_twins_or_the_launchers(monkeypatch):
+    """"auto" is the twins on CPU; "triton" the launchers, the same fields; an unknown op is
+    refused with the names it could be."""
+    from coat_ds.kernels import reference as R
+    from coat_ds.kernels import act_codec
+
+    assert get("group_codec", CPU) is get("group_codec", CPU, "torch")
+    assert get("group_codec", CPU).quantize is R.quantize_groups
+    assert get("act_codec", CPU).quantize_rows is act_codec.quantize_groups
+    with pytest.raises(ValueError, match="expected one of"):
+        get("no_such_op", CPU)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     if fp8.triton_version() is None or fp8.triton_version() < fp8.TRITON_MIN:
         pytest.skip("no usable Triton")
-    tri = ops.triton_kernels()
-    assert get_ops(CPU, "triton") is tri and get_act_ops(CPU, "triton") is tri
-    assert get_linear_ops(CPU, "triton") is tri.linear_quantize
-    assert tri.name == "triton" and torch_table.name == "torch"
+    for op in OPS:
+        twins, launchers = get(op, CPU, "torch"), get(op, CPU, "triton")
+        assert type(twins) is type(launchers) and twins != launchers, op
 
 
 @pytest.mark.parametrize("threshold,cap,fp8_hw", [((8, 9), (8, 9), True), ((8, 9), (8, 6), False),

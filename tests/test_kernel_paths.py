@@ -15,8 +15,7 @@ import os
 import pytest
 import torch
 
-from coat_ds.kernels import AdamWHyper, AdamWSlot, E4M3, E5M2, fp8, get_ops, reference as R, set_fp8_conversions
-from coat_ds.kernels.act_ops import get_act_ops
+from coat_ds.kernels import AdamWHyper, AdamWSlot, E4M3, E5M2, fp8, get, reference as R, set_fp8_conversions
 from coat_ds.kernels.fp8 import ISA_GENERIC, ISA_NVIDIA, ISA_NVIDIA_FP8, kernel_isa, select_isa
 
 
@@ -46,23 +45,22 @@ def test_cuda_without_usable_triton_gets_the_reference(monkeypatch, caplog, vers
     monkeypatch.setattr(fp8, "_LOGGED", set())
     cuda = torch.device("cuda", 0)
     with caplog.at_level(logging.INFO, logger="coat_ds.kernels"):
-        assert get_ops(cuda).name == "torch"
-        assert get_act_ops(cuda).name == "torch"
-        get_ops(cuda)
+        for op in ("group_codec", "act_codec", "group_codec"):
+            assert get(op, cuda) is get(op, cuda, "torch")
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("coat_ds kernels on cuda")]
     assert lines == ["coat_ds kernels on cuda: torch reference (Triton missing or older than 3.6)"]
     with pytest.raises(RuntimeError, match="backend='triton'"):
-        get_ops(cuda, "triton")
+        get("group_codec", cuda, "triton")
 
 
 @interpreted
 def test_one_log_line_at_first_use(monkeypatch, caplog):
     monkeypatch.setattr(fp8, "_LOGGED", set())
     monkeypatch.setattr(fp8, "_ISA", {})
-    ops = get_ops(torch.device("cpu"), "triton")
+    cast = get("cast_fp8", torch.device("cpu"), "triton").cast
     with caplog.at_level(logging.INFO, logger="coat_ds.kernels"):
-        ops.cast_fp8(torch.randn(100), "e4m3")
-        ops.cast_fp8(torch.randn(100), "e5m2")
+        cast(torch.randn(100), "e4m3")
+        cast(torch.randn(100), "e5m2")
     lines = [r.getMessage() for r in caplog.records if r.name == "coat_ds.kernels"]
     assert lines == ["coat_ds kernels on cpu: Triton, portable FP8 (generic Triton, no PTX)"]
 
@@ -100,9 +98,8 @@ def _cast_inputs(fmt) -> torch.Tensor:
 def test_portable_coder_bit_exact_against_torch_casts(fmt):
     """The integer-op FP8 coder (interpreter here, pre-8.9 GPUs, forced portable) against
     torch's saturating casts, on every code, midpoint and neighbour of a midpoint."""
-    ops = get_ops(torch.device("cpu"), "triton")
     x = _cast_inputs(fmt)
-    codes, out = ops.cast_fp8(x, fmt)
+    codes, out = get("cast_fp8", x.device, "triton").cast(x, fmt)
     ref_codes, ref_out = R.cast_fp8(x, fmt)
     assert torch.equal(codes, ref_codes)
     assert torch.equal(out.view(torch.int32), ref_out.view(torch.int32))  # -0.0 too
@@ -143,8 +140,8 @@ def _assert_bits_equal(a, b):
 @pytest.mark.parametrize("fmt", [E4M3, E5M2])
 def test_gpu_cast_hardware_equals_portable(fmt):
     x = _cast_inputs(fmt).cuda()
-    ops = get_ops(x.device, "triton")
-    hw, sw = _both_paths(lambda: ops.cast_fp8(x, fmt))
+    cast = get("cast_fp8", x.device, "triton").cast
+    hw, sw = _both_paths(lambda: cast(x, fmt))
     _assert_bits_equal(hw, sw)
     _assert_bits_equal([hw[0].cpu()], [R.cast_fp8(x.cpu(), fmt)[0]])
 
@@ -160,11 +157,11 @@ def _spread(shape, seed):
 def test_gpu_group_quantizer_hardware_equals_portable(fmt, dre):
     x = _spread((300, 1000), 5)
     x[0, :128] = 0.0
-    ops = get_ops(x.device, "triton")
+    codec = get("group_codec", x.device, "triton")
 
     def run():
-        q = ops.quantize_groups(x, 128, fmt, dre)
-        return [*q, ops.dequantize_groups(q, 128, fmt)]
+        q = codec.quantize(x, 128, fmt, dre)
+        return [*q, codec.dequantize(q, 128, fmt)]
 
     _assert_bits_equal(*_both_paths(run))
 
@@ -173,7 +170,7 @@ def test_gpu_group_quantizer_hardware_equals_portable(fmt, dre):
 @pytest.mark.parametrize("pdt", [torch.float32, torch.bfloat16])
 def test_gpu_adamw_step_hardware_equals_portable(pdt):
     shapes = [(1000, 384), (4097,), (3, 130)]
-    ops = get_ops(torch.device("cuda"), "triton")
+    step = get("adamw", torch.device("cuda"), "triton").step
 
     def run():
         slots = []
@@ -182,10 +179,10 @@ def test_gpu_adamw_step_hardware_equals_portable(pdt):
             m = R.quantize_groups(_spread(s, 10 + i).cpu() * 1e-3).to("cuda")
             v = R.quantize_groups(_spread(s, 20 + i).cpu().square() * 1e-6).to("cuda")
             slots.append(AdamWSlot(p, torch.zeros_like(p), m, v))
-        for step in range(1, 4):
+        for n in range(1, 4):
             for i, s in enumerate(slots):
-                s.grad.copy_(_spread(s.param.shape, 100 * step + i) * 1e-3)
-            ops.adamw_step(slots, AdamWHyper.at_step(step, 1e-3, 0.9, 0.999, 1e-8, 0.01), plan_cache={})
+                s.grad.copy_(_spread(s.param.shape, 100 * n + i) * 1e-3)
+            step(slots, AdamWHyper.at_step(n, 1e-3, 0.9, 0.999, 1e-8, 0.01), plan_cache={})
         return [t for s in slots for t in (s.param, *s.exp_avg, *s.exp_avg_sq)]
 
     _assert_bits_equal(*_both_paths(run))
@@ -196,7 +193,7 @@ def test_gpu_adamw_step_hardware_equals_portable(pdt):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_activation_kernels_hardware_equals_portable(fmt, dtype):
     x = _spread((64, 1000), 9).to(dtype)
-    ops = get_act_ops(x.device, "triton")
+    ops = get("act_codec", x.device, "triton")
 
     def run():
         ct, et = ops.quantize_tensor(x, fmt)

@@ -4,7 +4,7 @@ import copy
 import pytest
 import torch
 
-from coat_ds.kernels import AdamWHyper, AdamWSlot, E4M3, E5M2, get_ops, reference as R
+from coat_ds.kernels import AdamWHyper, AdamWSlot, E4M3, E5M2, get, reference as R
 from helpers import moments_like, sqnr_db
 
 FORMATS = ["e4m3", "e5m2"]
@@ -12,7 +12,8 @@ FORMATS = ["e4m3", "e5m2"]
 
 @pytest.fixture
 def tri(device):
-    return get_ops(device, "triton")
+    """The Triton kernels of an op for tensors on `device`."""
+    return lambda op: get(op, device, "triton")
 
 
 @pytest.mark.parametrize("fmt", [E4M3, E5M2])
@@ -23,7 +24,7 @@ def test_fp8_cast_bit_exact_on_every_code_and_midpoint(tri, device, fmt):
     mids = (pos[1:] + pos[:-1]) / 2
     x = torch.cat([vals, mids, -mids, torch.tensor([fmt.max * 1.5, -fmt.max * 3, 1e-12, -1e-12]),
                    torch.randn(2000) * fmt.max / 16]).to(device)
-    codes, out = tri.cast_fp8(x, fmt)
+    codes, out = tri("cast_fp8").cast(x, fmt)
     rc, rout = R.cast_fp8(x, fmt)
     assert torch.equal(codes, rc)
     assert torch.equal(out, rout)
@@ -52,7 +53,7 @@ def _mixed_data(shape, group_size, seed):
 def test_quantize_matches_reference(tri, device, shape, fmt, dre, group_size):
     x, (zero, const, holes) = _mixed_data(shape, group_size, seed=len(shape) * 7 + group_size)
     x = x.to(device)
-    qt = tri.quantize_groups(x, group_size, fmt, dre)
+    qt = tri("group_codec").quantize(x, group_size, fmt, dre)
     qr = R.quantize_groups(x.cpu(), group_size, fmt, dre)
     assert qt.codes.shape == x.shape and qt.center.shape == qr.center.shape
     # log2/exp2 differ in the last float bit between implementations; a code may move by one.
@@ -60,7 +61,7 @@ def test_quantize_matches_reference(tri, device, shape, fmt, dre, group_size):
     assert same >= 0.99, same
     assert (qt.kcode.cpu() == qr.kcode).float().mean().item() >= 0.95
     torch.testing.assert_close(qt.center.cpu(), qr.center, rtol=1e-5, atol=0)
-    dt = tri.dequantize_groups(qt, group_size, fmt).cpu()
+    dt = tri("group_codec").dequantize(qt, group_size, fmt).cpu()
     dr = R.dequantize_groups(qr, group_size, fmt)
     xc = x.cpu()
     x2 = xc.view(-1, shape[-1])
@@ -79,14 +80,14 @@ def test_quantize_error_bounds(tri, device, fmt):
     absmax scaling keeps the large values sharper (higher SQNR) but flushes small ones."""
     m, v = moments_like((64, 512), seed=7)
     for x in (m, v):
-        d = tri.dequantize_groups(tri.quantize_groups(x.to(device), 128, fmt, True), 128, fmt).cpu()
+        d = tri("group_codec").dequantize(tri("group_codec").quantize(x.to(device), 128, fmt, True), 128, fmt).cpu()
         rel = ((d - x).abs() / x.abs())[x != 0]
         assert ((d == 0) & (x != 0)).sum() == 0
         assert rel.mean().item() < 0.05 and rel.max().item() < 0.35, (rel.mean(), rel.max())
         assert sqnr_db(x, d) >= 20.0
-        plain = tri.dequantize_groups(tri.quantize_groups(x.to(device), 128, fmt, False), 128, fmt).cpu()
+        plain = tri("group_codec").dequantize(tri("group_codec").quantize(x.to(device), 128, fmt, False), 128, fmt).cpu()
         assert sqnr_db(x, plain) >= 28.0
-    plain_v = tri.dequantize_groups(tri.quantize_groups(v.to(device), 128, fmt, False), 128, fmt).cpu()
+    plain_v = tri("group_codec").dequantize(tri("group_codec").quantize(v.to(device), 128, fmt, False), 128, fmt).cpu()
     assert ((plain_v == 0) & (v != 0)).sum() > 0
 
 
@@ -94,17 +95,17 @@ def test_quantize_error_bounds(tri, device, fmt):
 def test_empty_tensors_round_trip(tri, device, shape):
     """FSDP hands some ranks an empty shard of a parameter."""
     x = torch.zeros(shape, device=device)
-    for ops in (tri, R):
-        q = ops.quantize_groups(x, 128, "e4m3", True)
+    for codec in (tri("group_codec"), get("group_codec", x.device, "torch")):
+        q = codec.quantize(x, 128, "e4m3", True)
         assert q.codes.shape == x.shape and q.center.numel() == 0
-        assert ops.dequantize_groups(q, 128, "e4m3").shape == x.shape
+        assert codec.dequantize(q, 128, "e4m3").shape == x.shape
 
 
 def test_extreme_magnitudes_stay_finite(tri, device):
     x = torch.tensor([1e-38, 3e38, -1e-45, 1.0, 0.0, -2e30] * 30, device=device)
     for fmt in FORMATS:
         for dre in (True, False):
-            d = tri.dequantize_groups(tri.quantize_groups(x, 16, fmt, dre), 16, fmt)
+            d = tri("group_codec").dequantize(tri("group_codec").quantize(x, 16, fmt, dre), 16, fmt)
             assert torch.isfinite(d).all()
             assert (d[x == 0] == 0).all()
             assert (torch.sign(d) == torch.sign(x))[d != 0].all()
@@ -145,7 +146,7 @@ def test_adamw_step_matches_reference(tri, device, quant, pdt, gdt):
         m0, v0 = ((R.dequantize_groups(t.to("cpu")) if quant else t.cpu()).double()
                   for t in (y.exp_avg, y.exp_avg_sq))
         exact.append((0.9 * m0 + 0.1 * g, 0.999 * v0 + 0.001 * g * g))
-    tri.adamw_step(a, h1, skipped=skipped_a, plan_cache=cache)
+    tri("adamw").step(a, h1, skipped=skipped_a, plan_cache=cache)
     R.adamw_step(b, h1, skipped=skipped_b)
     for x, y, ex in zip(a, b, exact):
         # From identical states one step agrees to rounding: the GPU's approximate
@@ -165,7 +166,7 @@ def test_adamw_step_matches_reference(tri, device, quant, pdt, gdt):
             torch.testing.assert_close(x.exp_avg, y.exp_avg, rtol=1e-5, atol=1e-9)
     for step in (2, 3):
         h = AdamWHyper.at_step(step, 1e-3, 0.9, 0.999, 1e-8, 0.1)
-        tri.adamw_step(a, h, skipped=skipped_a, plan_cache=cache)
+        tri("adamw").step(a, h, skipped=skipped_a, plan_cache=cache)
         R.adamw_step(b, h, skipped=skipped_b)
     assert skipped_a.item() == skipped_b.item() == 0
     for x, y in zip(a, b):
@@ -186,7 +187,7 @@ def test_adamw_step_follows_gradients_that_move(tri, device):
         grads = [torch.randn(s.param.shape, device=device) for s in a]
         a = [AdamWSlot(s.param, g.clone(), s.exp_avg, s.exp_avg_sq) for s, g in zip(a, grads)]
         b = [AdamWSlot(s.param, g.clone(), s.exp_avg, s.exp_avg_sq) for s, g in zip(b, grads)]
-        tri.adamw_step(a, h, plan_cache=cache)
+        tri("adamw").step(a, h, plan_cache=cache)
         R.adamw_step(b, h)
         (plan,) = cache.values()
         if step == 1:
@@ -200,12 +201,12 @@ def test_adamw_step_follows_gradients_that_move(tri, device):
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), 1e30])
 def test_nonfinite_group_is_skipped_not_poisoned(device, backend, bad):
-    ops = get_ops(device, backend)
+    ops = get("adamw", device, backend)
     slots = _slots([(3, 256)], torch.float32, torch.float32, True, device)
     before = copy.deepcopy(slots)
     slots[0].grad[1, 130] = bad  # row 1, second group (g*g overflows for 1e30)
     skipped = torch.zeros((), dtype=torch.int64, device=device)
-    ops.adamw_step(slots, AdamWHyper.at_step(1, 1e-3, 0.9, 0.999, 1e-8, 0.0), skipped=skipped)
+    ops.step(slots, AdamWHyper.at_step(1, 1e-3, 0.9, 0.999, 1e-8, 0.0), skipped=skipped)
     assert skipped.item() == 1
     s, b = slots[0], before[0]
     assert torch.equal(s.param[1, 128:], b.param[1, 128:])

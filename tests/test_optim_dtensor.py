@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import coat_ds
-from coat_ds.kernels import QuantizedGroups, get_ops
+from coat_ds.kernels import QuantizedGroups, get
 
 G = 128
 
@@ -105,12 +105,12 @@ def _per_element(qg: QuantizedGroups, n: int) -> dict:
 def _saved_state(values: dict[str, torch.Tensor], cuts: list[int], mesh) -> dict:
     """State of a 300-element vector quantized as shards starting at `cuts` (what ranks of
     another world size saved), in the per-element checkpoint layout."""
-    ops = get_ops(torch.device("cpu"), "torch")
+    codec = get("group_codec", torch.device("cpu"), "torch")
     state = {"step": torch.tensor(3.0)}
     for name, x in values.items():
         parts = {"codes": [], "center": [], "kcode": [], "sexp": []}
         for lo, hi in zip(cuts, cuts[1:] + [x.numel()]):
-            qg = ops.quantize_groups(x[lo:hi], G, "e4m3", True)
+            qg = codec.quantize(x[lo:hi], G, "e4m3", True)
             parts["codes"].append(qg.codes)
             for k, v in _per_element(qg, hi - lo).items():
                 parts[k].append(v)
@@ -122,7 +122,7 @@ def _saved_state(values: dict[str, torch.Tensor], cuts: list[int], mesh) -> dict
 def _decode(state: dict, name: str) -> torch.Tensor:
     qg = QuantizedGroups(*(state[f"{name}_{k}"].full_tensor().reshape(1, -1)
                            for k in ("codes", "center", "kcode", "sexp")))
-    return get_ops(torch.device("cpu"), "torch").dequantize_groups(qg, 1, "e4m3").reshape(-1)
+    return get("group_codec", torch.device("cpu"), "torch").dequantize(qg, 1, "e4m3").reshape(-1)
 
 
 @pytest.mark.parametrize("cuts", [[0], [0, 150], [0, 100, 200]])

@@ -53,11 +53,11 @@ def test_coat_adamw_help_names_the_step_host_tensors_take():
     table hands them to (backend "auto" and "torch"), and the switch of its C++ kernel."""
     import torch
 
-    from coat_ds.kernels import get_ops, host_native
+    from coat_ds.kernels import get, host_native
 
     doc = " ".join(coat_ds.CoatAdamW.__doc__.split())
     for backend in ("auto", "torch"):
-        module = get_ops(torch.device("cpu"), backend).adamw_step.__module__
+        module = get("adamw", torch.device("cpu"), backend).step.__module__
         assert module.replace(".", "/") + ".py" in doc, (backend, module)
     assert f"{host_native.DISABLE_ENV}=1" in doc and "C++" in doc
 

@@ -1,19 +1,19 @@
 """Triton: its version, and launching a compiled kernel without `JITFunction`'s per-call work.
 
 `JITFunction.__getitem__(grid)(...)` binds and re-specializes every argument, builds a cache
-key and checks globals on each call: 26 us per launch on an H100 host (Triton 3.6), where
-the compiled kernel's own launcher takes 10 us, and a typical saved tensor is a few
-microseconds of GPU work. `fast_launcher(kernel)` calls that launcher directly, with the
-arguments `JITFunction.run` gives it (grid, raw stream of the current device, function
-handle, packed metadata, launch metadata and hooks, every parameter in order). None of that
+key and checks globals on each call: several times the host time of the compiled kernel's
+own launcher, for a typical saved tensor's little GPU work. `fast_launcher(kernel)` calls
+that launcher directly, with the arguments `JITFunction.run` gives it (grid, raw stream of
+the current device, function handle, packed metadata, launch metadata and hooks, every
+parameter in order). None of that
 is public: the launcher's argument order, `CompiledKernel.run` / `.function` /
 `.packed_metadata`, `triton.knobs.runtime`'s launch hooks and torch's raw-stream getters
 (`torch._C._cuda_getCurrentRawStream`, `torch._C._cuda_getDevice`).
 
 Checked on Triton 3.6 (the GPU runs) and 3.9 (CPU CI, interpreter). Probe: the installed
 version is one of those, the hooks and the stream getters exist, the compiled kernel has its
-handles. Fallback where it fails on a CUDA device: the public `fn[grid](...)` launch, about
-16 us more host time per launch; one RuntimeWarning says so. CPU tensors (the interpreter)
+handles. Fallback where it fails on a CUDA device: the public `fn[grid](...)` launch, more
+host time per launch; one RuntimeWarning says so. CPU tensors (the interpreter)
 always launch through `fn[grid]`, so they neither need the probe nor warn.
 
 The caller caches one launcher per `specialization_key`: everything Triton specializes these

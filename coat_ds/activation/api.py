@@ -18,8 +18,8 @@ __all__ = ["compress_activations", "ActivationCompression", "activation_stats"]
 
 logger = logging.getLogger("coat_ds.activation")
 # ActivationConfig.eager_min_region_numel's default on CUDA: eagerly the hooks cost host time per
-# saved tensor (~37 per Llama decoder layer), which an H100 hides behind the layer's kernels
-# only from about here (docs/benchmarks.md, "the eager size limits").
+# saved tensor (dozens per Llama decoder layer), which the GPU hides behind the layer's kernels
+# only from about this size on (docs/benchmarks.md, "the eager size limits").
 CUDA_EAGER_MIN_REGION_NUMEL = 2 ** 24
 
 

@@ -4,9 +4,10 @@
 `pack` runs for every tensor autograd saves, on the host, while the GPU runs ahead; any
 microsecond here is paid per saved tensor and shows in step time once the host falls
 behind. So it reads only cheap tensor attributes (no storage objects, no torch.device
-objects in keys), keys tables by plain tuples in dicts of weak references, resolves
-formats and kernels once, and never reads a device value: nothing in pack or unpack
-synchronizes with the GPU."""
+objects in keys), keys tables by plain tuples in dicts of weak references (read inline, not
+through _WeakTable.get), calls the policy's halves positionally (keyword arguments cost
+more per call), resolves formats and kernels once, and never reads a device value: nothing
+in pack or unpack synchronizes with the GPU."""
 from __future__ import annotations
 
 import weakref
@@ -17,7 +18,7 @@ from torch import nn
 
 from .._compat.torch import TRACED_TENSOR_TYPES, autograd_node_classes, detach_unseen, flex_attention_backward_node
 from ..config import ActivationConfig
-from ..kernels.act_ops import get_act_ops
+from ..kernels.registry import get
 from ..kernels.fp8 import get_format
 from .accounting import Ledger, storage_key
 from .packing import FP8Saved, FP8View, Kept, has_gaps, memory_order
@@ -157,7 +158,7 @@ class SavedTensorCompressor:
         dev = t.get_device()
         ops = self._ops.get(dev)
         if ops is None:
-            ops = self._ops[dev] = get_act_ops(t.device, self.config.backend)
+            ops = self._ops[dev] = get("act_codec", t.device, self.config.backend)
         return ops
 
     def _device_state(self, dev: int, t: torch.Tensor):
@@ -199,7 +200,6 @@ class SavedTensorCompressor:
         dtype = t.dtype
         dev, addr, numel = t.get_device(), t.data_ptr(), t.numel()
         skey = (dev, addr - t.storage_offset() * t.element_size())  # accounting.storage_key
-        # _WeakTable.get inlined here and below: a method call per table per saved tensor.
         ref = self._keep.refs.get(skey)
         # The policy's first half on the facts at hand (integers, tiny tensors, statistics,
         # what the caller holds anyway), before the costlier ones only a candidate needs.
@@ -224,17 +224,16 @@ class SavedTensorCompressor:
         ident = (dev, addr, numel, dtype)
         # A linear layer saves its input, or a 2-D view of it: same memory, same count.
         ref = self._linear_inputs.refs.get(ident)
-        linear = ref is not None and ref() is not None
+        linear_input = ref is not None and ref() is not None
         # The node that made the memory: a view of an attention's output (o_proj's input,
         # where O's layout makes the reshape free) is that output.
         fn = root.grad_fn
         node = type(fn)
         weight_copy = node is _TO_COPY_NODE and dtype in _LOW and _casts_a_parameter(fn)
-        # The policy's second half (positional: keyword arguments cost a microsecond per
-        # saved tensor here): row_len, dense_order, weight_copy, linear_input, attention_output.
-        attention = node in ATTENTION_NODES
-        kind = self._candidate(row_len, perm is not None, weight_copy, linear, attention)
-        if attention and self._recent is not None:
+        attention_output = node in ATTENTION_NODES
+        dense_order = perm is not None
+        kind = self._candidate(row_len, dense_order, weight_copy, linear_input, attention_output)
+        if attention_output and self._recent is not None:
             self._keep_attention_inputs(fn)
         root_ref = weakref.ref(root)
         if kind is KEEP:
@@ -251,7 +250,7 @@ class SavedTensorCompressor:
                 self._recent.append((weakref.ref(t), weakref.ref(hit)))
             return hit if hit.shape == t.shape and hit.stride == t.stride() else FP8View(hit, t)
         ops, empty = self._device_state(dev, t)
-        saved = FP8Saved(_version_alias(t), version, perm, gapped, kind, self._formats[linear], self._group_size, ops,
+        saved = FP8Saved(_version_alias(t), version, perm, gapped, kind, self._formats[linear_input], self._group_size, ops,
                          root_ref, empty)
         self._fp8.add(key, saved)
         ledger.add_compressed(t, skey, root_ref, saved.nbytes)

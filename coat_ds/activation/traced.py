@@ -28,7 +28,7 @@ from .._compat import torch as compat_torch
 from .._compat.torch import (HAS_SAVED_TENSOR_HOOK_CONTEXT, has_functorch_option, saved_tensor_hook_context,
                              static_input_indices)
 from ..config import ActivationConfig
-from ..kernels import act_codec, fp8, reference
+from ..kernels import act_codec, fp8, fp8_torch
 from ..kernels.fp8 import get_format
 from .packing import memory_order
 from .policy import KEEP, SKIP, Policy
@@ -68,7 +68,7 @@ def _stands_for_a_hook(x):
 def code_hash(config: ActivationConfig) -> str:
     """What the traced pack/unpack depend on: this code and the config."""
     h = hashlib.sha256(repr(config).encode())
-    for path in (*sorted(Path(__file__).parent.glob("*.py")), Path(act_codec.__file__), Path(reference.__file__),
+    for path in (*sorted(Path(__file__).parent.glob("*.py")), Path(act_codec.__file__), Path(fp8_torch.__file__),
                  Path(fp8.__file__), Path(compat_torch.__file__)):
         h.update(path.read_bytes())
     return h.hexdigest()

@@ -1,19 +1,17 @@
-"""The one kernel library: Triton kernels and their pure-torch twins behind one interface,
-each also the custom op `torch.ops.coat_ds.<name>` (ops.py).
+"""The one kernel library: per op, one file with its Triton kernels, their pure-torch twins
+and its custom ops (`torch.ops.coat_ds.<name>`), all reached through one registry.
 
-Code outside this package calls `get_ops(device, backend)` and never imports triton."""
+Code outside this package takes kernels from `get(op, device, backend)` (registry.py) and
+never imports triton."""
 from __future__ import annotations
 
-import torch
-
-from . import host, linear_ops, reference
+from . import reference
 from .fp8 import E4M3, E5M2, Fp8Format, get_format, kernel_isa, set_fp8_conversions, triton_usable
 from .layout import AdamWHyper, AdamWSlot, GroupLayout, QuantizedGroups, group_layout
-from .ops import Kernels, kernels_for, torch_kernels
+from .registry import get
 
 __all__ = [
-    "get_ops",
-    "Kernels",
+    "get",
     "reference",
     "E4M3",
     "E5M2",
@@ -29,13 +27,3 @@ __all__ = [
     "group_layout",
 ]
 
-
-def get_ops(device: torch.device, backend: str = "auto") -> Kernels:
-    """Kernels for tensors on `device`: "triton", "torch" (reference) or "auto" (Triton on
-    CUDA, the reference elsewhere; CPU tensors reach Triton only through backend="triton"
-    under TRITON_INTERPRET=1). Which FP8 conversions the Triton kernels use is chosen per
-    device by `kernel_isa`. The one kernel table: see ops.py."""
-    return kernels_for(device, backend)
-
-
-torch_kernels()  # built now, not first while torch.compile traces a layer asking for it

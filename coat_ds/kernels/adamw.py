@@ -1,4 +1,6 @@
-"""Fused multi-tensor AdamW step over FP8 (or FP32) moments.
+"""Fused multi-tensor AdamW step over FP8 (or FP32) moments (registry op "adamw"; custom op
+`adamw_step`): the Triton kernel and its launchers here; the pure-torch twin and the step on
+host tensors built on it, the op's torch kernels, in host.py.
 
 One launch covers every tensor of a bucket (same param dtype, grad dtype and step). Each
 program owns BG whole groups of one tensor, so per-group statistics, the DRE exponent and
@@ -6,34 +8,39 @@ the scale are computed without leaving the program. Tensors are reached through 
 raw addresses; the table is cached and rebuilt (pinned host memory, async copy) only when an
 address changes (of a parameter, a gradient or any state tensor), and the program map only
 when the tensors do, so a step neither synchronises with the host nor recompiles.
-`adamw_step` reads every address at each call; a `PreparedStep` reads only the gradients'
+`adamw_step_triton` reads every address at each call; a `PreparedStep` reads only the gradients'
 and leaves the rest to its caller (CoatAdamW checks them with no Python per tensor).
 """
 from __future__ import annotations
 
 from operator import attrgetter
+from typing import Callable, NamedTuple, Optional
 
 import torch
-import triton
-import triton.language as tl
+from torch import Tensor
 
-from .codec import dequantize_tile, quantize_tile, rcp, round_to_bf16
+from . import host
+from .custom_ops import define
 from .fp8 import K_ONE, get_format, kernel_isa
+from .fp8_triton import dequantize_tile, quantize_tile, rcp, round_to_bf16
+from .group_codec import group_offsets, tile_shape
+from .jit import jit
 from .layout import AdamWHyper, AdamWSlot, QuantizedGroups, group_layout
-from .quantize import _group_offsets, tile_shape
 
-__all__ = ["adamw_step", "PreparedStep"]
+__all__ = ["adamw_step_triton", "PreparedStep", "flat_slots", "AdamWKernels", "TORCH", "TRITON"]
+
+triton = tl = None  # jit.bind sets them when a Triton backend is chosen
 
 # p, g, m codes/center/kcode/sexp, v codes/center/kcode/sexp, cols, n_groups, gpr, group skips
 _TABLE_COLS = 16
-# Launch shape (groups per program, warps), tuned on an H100 with bench/optim_step.py --sweep.
+# Launch shape (groups per program, warps), tuned on a GPU with bench/optim_step.py --sweep.
 STEP_BLOCK_GROUPS = 16
 STEP_WARPS = 4
 _DTYPE_IDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _MAX_PLANS = 256
 
 
-@triton.jit
+@jit
 def _ptr(row, i, DTYPE_ID: tl.constexpr, ALIGNED: tl.constexpr):
     addr = tl.load(row + i)
     if DTYPE_ID == 0:
@@ -55,7 +62,7 @@ def _ptr(row, i, DTYPE_ID: tl.constexpr, ALIGNED: tl.constexpr):
     return ptr
 
 
-@triton.jit
+@jit
 def _load_moment(row, base: tl.constexpr, offs, valid, gi, gmask, QUANT: tl.constexpr, FMT: tl.constexpr,
                  ALIGNED: tl.constexpr, ISA: tl.constexpr):
     if QUANT:
@@ -68,7 +75,7 @@ def _load_moment(row, base: tl.constexpr, offs, valid, gi, gmask, QUANT: tl.cons
         return tl.load(_ptr(row, base, 0, ALIGNED) + offs, mask=valid, other=0.0)
 
 
-@triton.jit
+@jit
 def _store_moment(row, base: tl.constexpr, new, offs, valid, gi, gmask,
                   QUANT: tl.constexpr, FMT: tl.constexpr, DRE: tl.constexpr, DRE_KNUM: tl.constexpr,
                   ALIGNED: tl.constexpr, ISA: tl.constexpr):
@@ -82,7 +89,7 @@ def _store_moment(row, base: tl.constexpr, new, offs, valid, gi, gmask,
         tl.store(_ptr(row, base, 0, ALIGNED) + offs, new, mask=valid)
 
 
-@triton.jit
+@jit
 def _adamw_kernel(table_ptr, blocks_ptr, skipped_ptr, gscale_ptr,
                   beta1, beta2, eps, decay, step_size, inv_bc2_sqrt, lr, step, log2_beta1, log2_beta2,
                   P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, QUANT: tl.constexpr,
@@ -99,7 +106,7 @@ def _adamw_kernel(table_ptr, blocks_ptr, skipped_ptr, gscale_ptr,
     gpr = tl.load(row + 12).to(tl.int32)
     gi = g0 + tl.arange(0, BG)
     gmask = gi < n_groups
-    offs, valid = _group_offsets(gi, n_groups, cols, gpr, G, ALIGNED)
+    offs, valid = group_offsets(gi, n_groups, cols, gpr, G, ALIGNED)
 
     p_ptr = _ptr(row, 0, P_DTYPE, ALIGNED)
     p = tl.load(p_ptr + offs, mask=valid, other=0.0).to(tl.float32)
@@ -145,8 +152,8 @@ class _Plan:
     """One bucket's program -> (tensor, first group) map, fixed by its tensors' shapes, and
     its device-side address table, rebound whenever an address changes.
 
-    The map has a row per program (~150k for 300M parameters): building it costs tens of
-    milliseconds of Python, so it is built once. Gradients move between steps whenever the
+    The map has a row per program (~150k for 300M parameters): building it costs far more
+    Python than a step's launch, so it is built once. Gradients move between steps whenever the
     allocator hands them other blocks (new batches, set_to_none), and rebinding costs a row
     per tensor."""
 
@@ -253,10 +260,10 @@ class _Launch:
             **self.consts)
 
 
-def adamw_step(slots: list[AdamWSlot], hyper: AdamWHyper, *, group_size: int = 128, fmt_m="e4m3",
-               fmt_v="e4m3", dre: bool = True, skipped: torch.Tensor | None = None,
-               plan_cache: dict | None = None, grad_scale: torch.Tensor | None = None) -> None:
-    """Triton twin of `reference.adamw_step`: one launch for all `slots`.
+def adamw_step_triton(slots: list[AdamWSlot], hyper: AdamWHyper, *, group_size: int = 128, fmt_m="e4m3",
+                      fmt_v="e4m3", dre: bool = True, skipped: torch.Tensor | None = None,
+                      plan_cache: dict | None = None, grad_scale: torch.Tensor | None = None) -> None:
+    """host.adamw_step (the twin) by the Triton kernel: one launch for all `slots`.
 
     All slots share param dtype, grad dtype and moment kind (FP8 or FP32). `plan_cache`, a
     dict owned by the caller, keeps the address table between steps; it is re-sent whenever
@@ -274,7 +281,7 @@ _is_contiguous = torch.Tensor.is_contiguous
 
 
 class PreparedStep:
-    """`adamw_step` prepared for slots whose parameters and state tensors stay where they
+    """`adamw_step_triton` prepared for slots whose parameters and state tensors stay where they
     are: each step passes only the gradients. The caller re-checks the parameters' and
     state tensors' addresses before every step (a moved one needs a new PreparedStep);
     gradients may move, and the table's gradient column is rebound when one did. Holds
@@ -318,3 +325,63 @@ class PreparedStep:
         if self.launch.plan.key is not self.key:  # gradients moved, or another caller bound the cached plan
             self.launch.plan.bind(self.key)
         self.launch(hyper, skipped, grad_scale)
+
+
+# ---- The custom op and the registry's kernels ---------------------------------------------
+
+
+def flat_slots(slots: list[AdamWSlot]) -> tuple[list, list, list, list, list]:
+    """`slots` as `coat_ds::adamw_step` takes them: parameters, gradients, first and second
+    moments (an FP8 moment as its four tensors, in QuantizedGroups order), skip counters (an
+    empty tensor where a slot has none: torch's functionalization of a written list takes no
+    None in it)."""
+    def moment(m):
+        return list(m) if isinstance(m, QuantizedGroups) else [m]
+
+    return ([s.param for s in slots], [s.grad for s in slots], [t for s in slots for t in moment(s.exp_avg)],
+            [t for s in slots for t in moment(s.exp_avg_sq)],
+            [s.param.new_empty((0,), dtype=torch.int32) if s.skips is None else s.skips for s in slots])
+
+
+def _moments(flat: list[Tensor], n: int) -> list:
+    if len(flat) == n:
+        return flat
+    return [QuantizedGroups(*flat[4 * i:4 * i + 4]) for i in range(n)]
+
+
+# Plans of the op's Triton steps, per device (see _bound_plan): the op keeps no state of its
+# caller, whose prepared step (PreparedStep) holds its own.
+_PLANS: dict = {}
+
+
+def _step_op(k, params: list[Tensor], grads: list[Tensor], exp_avg: list[Tensor], exp_avg_sq: list[Tensor],
+             skips: list[Tensor], hyper: list[float], group_size: int, fmt_m: str, fmt_v: str, dre: bool,
+             skipped: Optional[Tensor]) -> None:
+    n = len(params)
+    if n == 0:
+        return
+    skips = [s if s.numel() else None for s in skips]  # a slot without groups is skipped either way
+    slots = [AdamWSlot(*parts) for parts in zip(params, grads, _moments(exp_avg, n), _moments(exp_avg_sq, n), skips)]
+    plans = _PLANS.setdefault((params[0].device.type, params[0].device.index), {})
+    k.step(slots, AdamWHyper(*hyper), group_size=group_size, fmt_m=fmt_m, fmt_v=fmt_v, dre=dre,
+           skipped=skipped, plan_cache=plans)
+
+
+def _step_fake(*args) -> None:
+    return None
+
+
+define("adamw_step", __name__, _step_op, _step_fake, mutates=("params", "exp_avg", "exp_avg_sq", "skips", "skipped"))
+
+
+class AdamWKernels(NamedTuple):
+    """`step(slots, hyper, *, group_size, fmt_m, fmt_v, dre, skipped, plan_cache)`, and
+    `prepare(slots, ...)`: a step prepared once for fixed tensors (PreparedStep), or None
+    where the per-tensor work dwarfs the Python around it."""
+
+    step: Callable
+    prepare: Optional[Callable]
+
+
+TORCH = AdamWKernels(host.host_step, None)
+TRITON = AdamWKernels(adamw_step_triton, PreparedStep)

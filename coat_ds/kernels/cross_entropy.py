@@ -1,5 +1,6 @@
-"""Cross-entropy of a block of logit rows and, in place, their gradient: one kernel (the GPU
-path of loss/linear_ce.py; reference.cross_entropy_rows is its torch twin).
+"""Cross-entropy of a block of logit rows and, in place, their gradient: one kernel (registry
+op "cross_entropy"; the GPU path of loss/linear_ce.py, which runs eagerly, so no custom op),
+and its torch twin.
 
 Hugging Face's loss upcasts the logits to FP32 and runs log-softmax, then backward makes an
 FP32 gradient: about ten passes over a rows x vocab tensor, and an FP32 copy of it. Here one
@@ -12,21 +13,55 @@ differ from the twin.
 """
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import torch
-import triton
-import triton.language as tl
 
-from .act_launch import launch
-from .codec import round_to
+from .fp8_triton import round_to
+from .jit import jit, launch
 
-__all__ = ["cross_entropy_rows"]
+__all__ = ["cross_entropy_rows", "cross_entropy_rows_triton", "CrossEntropyKernels", "TORCH", "TRITON"]
+
+triton = tl = None  # jit.bind sets them when a Triton backend is chosen
+
+
+# ---- The torch twin -----------------------------------------------------------------------
+
+
+def cross_entropy_rows(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor | None,
+                       ignore_index: int) -> torch.Tensor:
+    """Per-row FP32 cross-entropy of `logits` (rows x vocab) against `labels` (`ignore_index`:
+    0), on the logits upcast to FP32 as Hugging Face's loss upcasts them. With `scale` (1 /
+    the loss's denominator) the logits are overwritten with the gradient of sum(loss) * scale
+    (softmax - one_hot, times scale; 0 in unlabelled rows), rounded to their dtype. FP32
+    logits are the scratch space, with or without `scale`."""
+    x = logits.float()  # a new FP32 tensor, or `logits` itself when they already are FP32
+    valid = labels != ignore_index
+    target = torch.where(valid, labels, 0).unsqueeze(1)
+    picked = x.gather(1, target).squeeze(1)
+    # max, exp and sum in place: no second rows x vocab temporary, as logsumexp would make.
+    top = x.amax(1, keepdim=True)
+    x.sub_(top).exp_()
+    total = x.sum(1, keepdim=True)
+    loss = torch.where(valid, (top + total.log()).squeeze(1) - picked, 0.0)
+    if scale is not None:
+        x.mul_(scale / total)  # softmax over the denominator, in one pass
+        x.scatter_add_(1, target, (valid * -scale).unsqueeze(1))
+        # Zeroed last: unlabelled rows get exactly 0, whatever their logits or a zero denominator made.
+        x.masked_fill_(~valid.unsqueeze(1), 0.0)
+        if x is not logits:
+            logits.copy_(x)
+    return loss
+
+
+# ---- The Triton kernel --------------------------------------------------------------------
 
 # 4096 lanes per pass: a 32000-entry row in 8 blocks, 16 elements a thread at 8 warps.
 _BLOCK = 4096
 _NUM_WARPS = 8
 
 
-@triton.jit
+@jit
 def _cross_entropy_kernel(logits_ptr, labels_ptr, loss_ptr, scale_ptr, V, stride, ignore_index,
                           BLOCK: tl.constexpr, GRAD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -59,14 +94,14 @@ def _cross_entropy_kernel(logits_ptr, labels_ptr, loss_ptr, scale_ptr, V, stride
             tl.store(base + cols, round_to(g, dtype).to(dtype), mask=cols < V)
 
 
-def cross_entropy_rows(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor | None,
-                       ignore_index: int) -> torch.Tensor:
+def cross_entropy_rows_triton(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor | None,
+                              ignore_index: int) -> torch.Tensor:
     """Per-row cross-entropy of `logits` (rows x vocab, FP32/BF16/FP16, unit column stride)
     against `labels` (int, rows; `ignore_index`: 0 loss), as FP32. With `scale` (a
     one-element FP32 tensor: 1 / the loss's denominator) the logits are overwritten with the
     gradient of sum(loss) * scale w.r.t. them. A label outside [0, vocab) that is not
     `ignore_index` gives its row a NaN loss (no read out of bounds); the twin raises there.
-    See reference.cross_entropy_rows."""
+    See cross_entropy_rows, the twin."""
     if logits.dim() != 2 or logits.stride(1) != 1 or labels.shape != logits.shape[:1]:
         raise ValueError(f"cross_entropy_rows takes rows x vocab logits with unit column stride and one label "
                          f"per row, got logits {tuple(logits.shape)} (strides {logits.stride()}) and labels "
@@ -79,3 +114,16 @@ def cross_entropy_rows(logits: torch.Tensor, labels: torch.Tensor, scale: torch.
                (logits, labels.contiguous(), loss, scale if grad else loss, vocab, logits.stride(0), ignore_index),
                (_BLOCK, grad), _NUM_WARPS)
     return loss
+
+
+class CrossEntropyKernels(NamedTuple):
+    """`rows(logits, labels, scale, ignore_index) -> per-row loss`, the gradient written over
+    the logits where `scale` is given; `fp32_copy`: whether it works in an FP32 copy of
+    16-bit logits (the twin does)."""
+
+    rows: Callable
+    fp32_copy: bool
+
+
+TORCH = CrossEntropyKernels(cross_entropy_rows, True)
+TRITON = CrossEntropyKernels(cross_entropy_rows_triton, False)

@@ -120,7 +120,7 @@ def triton_usable(device: torch.device) -> bool:
     return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
-# The first CUDA compute capability with FP8 in hardware (Ada; Hopper, Blackwell on): its
+# The first CUDA compute capability with FP8 in hardware (and every later one): its
 # conversions for the kernels, its GEMMs for torch._scaled_mm.
 FP8_CAPABILITY = (8, 9)
 
@@ -140,7 +140,7 @@ def cuda_has_fp8(index: int) -> bool:
 def select_isa(capability: tuple[int, int] | None, hip: bool, force_portable: bool = False) -> int:
     """The kernels' ISA for a device: `capability` of a CUDA device (None for CPU, under the
     interpreter), `hip` for ROCm builds (no PTX at all). FP8 conversions are hardware ones
-    only from compute capability 8.9 on (Ada, Hopper, Blackwell), unless `force_portable`."""
+    only from compute capability 8.9 on (FP8_CAPABILITY), unless `force_portable`."""
     if capability is None or hip:
         return ISA_GENERIC
     if has_fp8(capability) and not force_portable:

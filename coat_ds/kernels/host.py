@@ -1,20 +1,25 @@
-"""The AdamW step on host tensors (ZeRO-Offload, CPU training).
+"""AdamW in torch ops (the registry's "torch" kernels of op "adamw", adamw.py): the pure-torch
+twin of the fused step, and the step on host tensors (ZeRO-Offload, CPU training) built on it.
 
-The fused C++ kernel (host_adamw.cpp, built on first use by host_native.py) runs the step
-group by group: it reads each element's parameter, gradient and moment codes once, keeps a
-group's ~6 x G floats of scratch per thread and writes the results back, computing what
-`reference.adamw_step` computes in the same float32 operations (tests/test_host_kernel.py
-holds the two together). Work is cut into jobs of whole groups (`HOST_CHUNK_ELEMS` elements
-at most) that `torch.get_num_threads()` threads take in turn; ctypes releases the GIL.
+The twin, `adamw_step`, computes what the Triton kernel computes, per group, in the same
+order where it decides a result; it is the CPU path and the tests' oracle.
+
+The host step, `host_step`: the fused C++ kernel (host_adamw.cpp, built on first use by
+host_native.py) runs the step group by group: it reads each element's parameter, gradient
+and moment codes once, keeps a group's ~6 x G floats of scratch per thread and writes the
+results back, computing what the twin computes in the same float32 operations
+(tests/test_host_kernel.py holds the two together). Work is cut into jobs of whole groups
+(`HOST_CHUNK_ELEMS` elements at most) that `torch.get_num_threads()` threads take in turn;
+ctypes releases the GIL.
 
 Where the kernel did not build, or for a slot it does not take (other dtypes, non-
-contiguous tensors), the torch reference runs instead. `reference.adamw_step` on a whole
-tensor materializes about ten FP32 temporaries of its size (~38 bytes per element: 33 GB
-per rank for a 7B model offloaded from 8 ranks), so a contiguous host tensor is cut into
-chunks of whole quantization groups and the reference runs on each chunk's views; groups
-never straddle chunks and every op of the step is elementwise or per group, so the result
-is the whole-tensor step's, bit for bit. A chunk is one of ATen's 32768-element grains, so
-each op runs inline in its thread and a chunk's temporaries stay in the core's caches.
+contiguous tensors), the twin runs instead. The twin on a whole tensor materializes about
+ten FP32 temporaries of its size (~38 bytes per element, for every parameter a rank
+offloads), so a contiguous host tensor is cut into chunks of whole quantization groups and
+the twin runs on each chunk's views; groups never straddle chunks and every op of the step
+is elementwise or per group, so the result is the whole-tensor step's, bit for bit. A chunk
+is one of ATen's 32768-element grains, so each op runs inline in its thread and a chunk's
+temporaries stay in the core's caches.
 """
 from __future__ import annotations
 
@@ -24,11 +29,98 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from . import host_native, reference
-from .fp8 import get_format
+from . import host_native
+from .fp8 import Fp8Format, get_format
+from .fp8_torch import exact_div
+from .group_codec import dequantize_grouped, grouped, quantize_grouped, ungrouped
 from .layout import AdamWHyper, AdamWSlot, QuantizedGroups, group_layout
 
-__all__ = ["adamw_step", "chunk_slots", "HOST_CHUNK_ELEMS"]
+__all__ = ["adamw_step", "host_step", "chunk_slots", "HOST_CHUNK_ELEMS"]
+
+
+# ---- The twin -----------------------------------------------------------------------------
+
+
+def _moment_in(state, group_size: int, fmt: Fp8Format) -> torch.Tensor:
+    if isinstance(state, QuantizedGroups):
+        return dequantize_grouped(state._replace(codes=grouped(state.codes, group_size)), fmt)
+    return grouped(state, group_size).to(torch.float32)
+
+
+def _moment_out(state, new: torch.Tensor, ok: torch.Tensor, group_size: int, fmt: Fp8Format, dre: bool):
+    if isinstance(state, QuantizedGroups):
+        qn = quantize_grouped(new, fmt, dre)
+        old_codes = grouped(state.codes, group_size)
+        state.codes.copy_(ungrouped(torch.where(ok[..., None], qn.codes, old_codes), state.codes.shape))
+        for dst, src in zip(state[1:], qn[1:]):
+            dst.copy_(torch.where(ok, src, dst))
+    else:
+        old = grouped(state, group_size).to(torch.float32)
+        state.copy_(ungrouped(torch.where(ok[..., None], new, old), state.shape))
+
+
+def adamw_step(
+    slots: list[AdamWSlot],
+    hyper: AdamWHyper,
+    *,
+    group_size: int = 128,
+    fmt_m="e4m3",
+    fmt_v="e4m3",
+    dre: bool = True,
+    skipped: torch.Tensor | None = None,
+    plan_cache: dict | None = None,
+) -> None:
+    """One AdamW step over `slots`, states updated in place.
+
+    A group (G consecutive elements of a row) whose gradient or new moments are not finite
+    is left untouched (parameter and both moments); their count is added to `skipped` and
+    to the group's entry of `slot.skips`. A group that skipped s steps before is
+    bias-corrected at step - s, as if those steps had not happened for it.
+    `plan_cache` is accepted for signature parity with the Triton launcher and unused."""
+    fm, fv = get_format(fmt_m), get_format(fmt_v)
+    for slot in slots:
+        if slot.param.numel() == 0:
+            continue
+        p = grouped(slot.param, group_size).to(torch.float32)
+        g = grouped(slot.grad, group_size).to(torch.float32)
+        m = _moment_in(slot.exp_avg, group_size, fm)
+        v = _moment_in(slot.exp_avg_sq, group_size, fv)
+        m = hyper.beta1 * m + (1 - hyper.beta1) * g
+        v = hyper.beta2 * v + (1 - hyper.beta2) * (g * g)
+        ok = torch.isfinite(g).all(-1) & torch.isfinite(m).all(-1) & torch.isfinite(v).all(-1)
+        step_size, inv_bc2_sqrt = _group_bias_corrections(hyper, slot.skips, ok.shape, p.device)
+        denom = torch.sqrt(v) * inv_bc2_sqrt[..., None] + hyper.eps
+        p_new = p * (1 - hyper.lr * hyper.weight_decay) - step_size[..., None] * (m / denom)
+        p_new = torch.where(ok[..., None], p_new, p)
+        slot.param.copy_(ungrouped(p_new, slot.param.shape))
+        _moment_out(slot.exp_avg, m, ok, group_size, fm, dre)
+        _moment_out(slot.exp_avg_sq, v, ok, group_size, fv, dre)
+        if slot.skips is not None:
+            slot.skips.copy_(torch.where(ok, slot.skips, slot.skips + 1))
+        if skipped is not None:
+            skipped += (~ok).sum().to(skipped.dtype)
+
+
+def _group_bias_corrections(hyper: AdamWHyper, skips, shape, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group (float32): lr / (1 - beta1**n) and 1 / sqrt(1 - beta2**n), n = step - skips.
+
+    A group that never skipped takes the host's float64 values, as the kernel does; the
+    others compute the power in float32, as the kernel does too."""
+    step_size = torch.full(shape, hyper.step_size, dtype=torch.float32, device=device)
+    inv_bc2_sqrt = torch.full(shape, 1.0 / hyper.bias_correction2_sqrt, dtype=torch.float32, device=device)
+    if skips is None:
+        return step_size, inv_bc2_sqrt
+    lb1, lb2 = (torch.tensor(b, dtype=torch.float32) for b in hyper.log2_betas())
+    n = torch.tensor(hyper.step, dtype=torch.float32) - skips.to(torch.float32)
+    bc1 = 1.0 - torch.exp2(n * lb1)
+    bc2 = 1.0 - torch.exp2(n * lb2)
+    skipped_before = skips > 0
+    step_size = torch.where(skipped_before, exact_div(hyper.lr, bc1), step_size)
+    inv_bc2_sqrt = torch.where(skipped_before, torch.rsqrt(bc2), inv_bc2_sqrt)
+    return step_size, inv_bc2_sqrt
+
+
+# ---- The host step ------------------------------------------------------------------------
 
 HOST_CHUNK_ELEMS = 1 << 15
 
@@ -115,11 +207,11 @@ def _run_native(lib, jobs: list, hyper: AdamWHyper, fm, fv, group_size: int, dre
     return sum(_executor(torch.get_num_threads()).map(lambda _: drain(it), range(workers)))
 
 
-def adamw_step(slots: list[AdamWSlot], hyper: AdamWHyper, *, group_size: int = 128, fmt_m="e4m3",
-               fmt_v="e4m3", dre: bool = True, skipped: torch.Tensor | None = None,
-               plan_cache: dict | None = None, chunk_elems: int | None = None, fused: bool = True) -> None:
-    """`reference.adamw_step` on host tensors (same signature): the fused kernel where it
-    built and takes the slot, else the reference chunk by chunk for contiguous tensors and
+def host_step(slots: list[AdamWSlot], hyper: AdamWHyper, *, group_size: int = 128, fmt_m="e4m3",
+              fmt_v="e4m3", dre: bool = True, skipped: torch.Tensor | None = None,
+              plan_cache: dict | None = None, chunk_elems: int | None = None, fused: bool = True) -> None:
+    """`adamw_step` on host tensors (same signature): the fused kernel where it
+    built and takes the slot, else the twin chunk by chunk for contiguous tensors and
     whole for the others. `chunk_elems` defaults to `HOST_CHUNK_ELEMS`; `fused=False` runs
     the fallback (benchmarks)."""
     chunk_elems = chunk_elems or HOST_CHUNK_ELEMS
@@ -140,11 +232,11 @@ def adamw_step(slots: list[AdamWSlot], hyper: AdamWHyper, *, group_size: int = 1
             whole.append(s)
     kw = dict(group_size=group_size, fmt_m=fmt_m, fmt_v=fmt_v, dre=dre)
     if whole:
-        reference.adamw_step(whole, hyper, **kw, skipped=skipped)
+        adamw_step(whole, hyper, **kw, skipped=skipped)
     workers = torch.get_num_threads()
     if workers <= 1 or len(parts) <= 1:
         for part in parts:
-            reference.adamw_step([part], hyper, **kw, skipped=skipped)
+            adamw_step([part], hyper, **kw, skipped=skipped)
         return
     # One counter per chunk: threads adding into one tensor would race.
     counts = torch.zeros(len(parts), dtype=torch.int64)
@@ -152,7 +244,7 @@ def adamw_step(slots: list[AdamWSlot], hyper: AdamWHyper, *, group_size: int = 1
 
     def run(i: int) -> None:
         with torch.set_grad_enabled(grad_mode):
-            reference.adamw_step([parts[i]], hyper, **kw, skipped=counts[i])
+            adamw_step([parts[i]], hyper, **kw, skipped=counts[i])
 
     list(_executor(workers).map(run, range(len(parts))))
     if skipped is not None:

@@ -1,5 +1,5 @@
 // The host AdamW step with FP8 (DRE) or FP32 moments, fused per quantization group: the
-// CPU counterpart of kernels/adamw.py, computing what reference.adamw_step (the oracle)
+// CPU counterpart of kernels/adamw.py, computing what host.adamw_step (the twin, the oracle)
 // computes.
 //
 // Bit for bit the reference's: the AdamW arithmetic in its float32 operations and order
@@ -81,7 +81,7 @@ struct Step {
   int64_t cols, group_size, groups_per_row;
   float beta1, one_minus_beta1, beta2, one_minus_beta2, eps, decay, step_size, inv_bc2_sqrt;
   // Groups that skipped steps before (skips[gi] > 0) are bias-corrected at step - skips[gi]
-  // (reference._group_bias_corrections): lr / (1 - beta1^n), 1 / sqrt(1 - beta2^n) in float32.
+  // (host._group_bias_corrections): lr / (1 - beta1^n), 1 / sqrt(1 - beta2^n) in float32.
   float lr, step, log2_beta1, log2_beta2;
   int32_t* skips;  // per group, or null: no group skipped before and none is counted
   int dre, k_min, k_max, k_one;
@@ -104,7 +104,7 @@ struct Scratch {
   Scratch(int64_t b, int64_t G) : g(b * G), m(b * G), v(b * G), d(b * G), ok(b), gm(b), gv(b) {}
 };
 
-// reference._dequantize_grouped on one group; lc = log2(its centre).
+// group_codec.dequantize_grouped on one group; lc = log2(its centre).
 template <int FMT> void dequantize(const Moment& mo, int64_t gi, int64_t off, int64_t n, float lc,
                                    float* __restrict out) {
   const uint8_t* __restrict codes = static_cast<const uint8_t*>(mo.data) + off;
@@ -120,7 +120,7 @@ template <int FMT> void dequantize(const Moment& mo, int64_t gi, int64_t off, in
   for (int64_t i = 0; i < n; ++i) out[i] = codes[i] > 0x80 ? -out[i] : out[i];  // code 0x80 (-0) gives +0
 }
 
-// reference._quantize_grouped's per-group decisions for groups [0, nb) of a batch from their
+// group_codec.quantize_grouped's per-group decisions for groups [0, nb) of a batch from their
 // amax / amin (0 / inf for a group of zeros), in its float32 operations.
 template <int FMT> void decide(const Moment& mo, const Step& s, int64_t nb, GroupVals& w) {
   std::copy_n(w.amax.data(), nb, w.lmax.data());
@@ -161,7 +161,7 @@ template <int FMT> void decide(const Moment& mo, const Step& s, int64_t nb, Grou
   }
 }
 
-// reference._quantize_grouped's elementwise part on group j of a batch (finite x[0..n)).
+// group_codec.quantize_grouped's elementwise part on group j of a batch (finite x[0..n)).
 template <int FMT> void quantize(const Moment& mo, const Step& s, const GroupVals& w, int64_t j, int64_t gi,
                                  int64_t off, int64_t n, const float* __restrict x) {
   using F = Fp8<FMT>;

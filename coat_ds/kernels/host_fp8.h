@@ -103,7 +103,7 @@ template <int FMT> const float* log2_rows() {
 }
 
 // Saturating round-to-nearest-even code of a magnitude 0 <= a <= max, in integer operations
-// (the same as kernels/codec.py's software encode).
+// (the same as kernels/fp8_triton.py's software encode).
 template <int FMT> inline uint32_t encode_mag(float a) {
   using F = Fp8<FMT>;
   constexpr int shift = 23 - F::mb;
@@ -114,7 +114,7 @@ template <int FMT> inline uint32_t encode_mag(float a) {
   return static_cast<uint32_t>(a < F::min_normal ? sub : normal);
 }
 
-// reference.scale_exponent: ceil(log2(ymax / max)) from ymax's bits.
+// fp8_torch.scale_exponent: ceil(log2(ymax / max)) from ymax's bits.
 template <int FMT> int32_t scale_exponent(float ymax) {
   uint32_t b = bits_of(ymax);
   return static_cast<int32_t>((b >> 23) & 0xFF) - (127 + Fp8<FMT>::log2_max) + ((b & 0x7FFFFF) > 0x600000 ? 1 : 0);

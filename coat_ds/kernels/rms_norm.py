@@ -1,5 +1,6 @@
-"""A fused RMSNorm: one pass forward, one kernel backward (the eager path of
-linear/norm.py); reference.rms_norm_forward/_backward are its torch twins.
+"""A fused RMSNorm (registry op "rms_norm"; eager only, so no custom op: compiled, the module
+runs its own torch code): one pass forward, one kernel backward, the eager path of
+linear/norm.py, and their torch twins.
 
 Eagerly, Hugging Face's RMSNorm is about six torch kernels, each reading a full tensor
 (cast, square, mean, rsqrt-multiply, cast, weight multiply), and its backward as many
@@ -16,19 +17,69 @@ and division (torch's rsqrt on CPU). Then, CAST_FIRST (Hugging Face's LlamaRMSNo
 n = x * rstd rounded to x's dtype, y = weight * n rounded to the promoted dtype of weight
 and x; otherwise (torch.nn.RMSNorm, Olmo-style norms): y = x * rstd * weight rounded once
 to x's dtype. Only the row's sum of squares is reduced in another order than torch's, so
-y may differ from the twin's by one rounding of its dtype.
+the kernel's y may differ from the twin's by one rounding of its dtype.
 """
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import torch
-import triton
-import triton.language as tl
 
-from .act_launch import launch
-from .codec import round_to
-from .fp8_linear import _finite_abs
+from .fp8_linear import linear_finite_absmax
+from .fp8_triton import finite_abs, round_to
+from .jit import jit, launch
 
-__all__ = ["rms_norm_forward", "rms_norm_backward", "MAX_HIDDEN"]
+__all__ = ["rms_norm_forward", "rms_norm_backward", "rms_norm_forward_triton", "rms_norm_backward_triton",
+           "MAX_HIDDEN", "RMSNormKernels", "TORCH", "TRITON"]
+
+triton = tl = None  # jit.bind sets them when a Triton backend is chosen
+
+
+# ---- The torch twins ----------------------------------------------------------------------
+
+
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, cast_first: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RMSNorm of `x` over its last dim: (y of x's shape, float32 rstd per row, int32 (1,)
+    float bits of max finite |y|, the linear layers' linear_finite_absmax).
+
+    Computed as Hugging Face's LlamaRMSNorm computes it, bit for bit: FP32 statistics,
+    rstd = rsqrt(mean(x^2) + eps); with `cast_first` (LlamaRMSNorm's order) n = x * rstd is
+    rounded to x's dtype and then multiplied by the weight in their promoted dtype (a
+    product of two 16-bit floats is exact in FP32, so one rounding of the FP32 product);
+    otherwise (torch.nn.RMSNorm's order) x * rstd * weight is rounded once to x's dtype."""
+    x32 = x.to(torch.float32)
+    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    n = x32 * rstd
+    if cast_first:
+        y_dtype = torch.promote_types(weight.dtype, x.dtype)
+        y = (n.to(x.dtype).to(torch.float32) * weight.to(torch.float32)).to(y_dtype)
+    else:
+        y = (n * weight.to(torch.float32)).to(x.dtype)
+    amax = linear_finite_absmax(y).reshape(1).view(torch.int32)
+    return y, rstd.reshape(-1), amax
+
+
+def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                      cast_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx in x's dtype, dweight in weight's dtype) of rms_norm_forward's y, in FP32 from
+    the saved rstd: dx = rstd * (dy*w - n * mean(dy*w * n)), n = x * rstd (the roundings
+    of forward pass the gradient through), dweight = sum over rows of dy * n, n rounded to
+    x's dtype where forward multiplied the weight by the rounded value."""
+    n_feat = x.shape[-1]
+    x32 = x.reshape(-1, n_feat).to(torch.float32)
+    dy32 = dy.reshape(-1, n_feat).to(torch.float32)
+    r = rstd.reshape(-1, 1)
+    n = x32 * r
+    dn = dy32 * weight.to(torch.float32)
+    dx = r * (dn - n * ((dn * n).sum(-1, keepdim=True) / n_feat))
+    if cast_first:
+        n = n.to(x.dtype).to(torch.float32)
+    dw = (dy32 * n).sum(0)
+    return dx.to(x.dtype).reshape(x.shape), dw.to(weight.dtype)
+
+
+# ---- The Triton kernels -------------------------------------------------------------------
 
 # A row is one block in registers: wider rows would spill (Hugging Face models reach 16384).
 MAX_HIDDEN = 65536
@@ -36,7 +87,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SM_COUNT: dict = {}
 
 
-@triton.jit
+@jit
 def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, amax_bits_ptr, N, eps,
                          BLOCK: tl.constexpr, CAST_FIRST: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -52,10 +103,10 @@ def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, amax_bits_ptr, N, eps,
     tl.store(y_ptr + row * N + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(rstd_ptr + row, rstd)
     # The value stored, so the max is the one a max pass over y would find.
-    tl.atomic_max(amax_bits_ptr, tl.max(_finite_abs(y), axis=0).to(tl.int32, bitcast=True))
+    tl.atomic_max(amax_bits_ptr, tl.max(finite_abs(y), axis=0).to(tl.int32, bitcast=True))
 
 
-@triton.jit
+@jit
 def _rms_norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, M, N, rows_per_prog,
                          BLOCK: tl.constexpr, CAST_FIRST: tl.constexpr):
     pid = tl.program_id(0)
@@ -95,11 +146,11 @@ def _check_dtypes(*tensors: torch.Tensor) -> None:
             raise ValueError(f"fused RMSNorm takes float32, bfloat16 or float16 tensors, got {t.dtype}")
 
 
-def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, cast_first: bool
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rms_norm_forward_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, cast_first: bool
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """RMSNorm of contiguous `x` over its last dim: (y of x's shape, float32 rstd per row,
     int32 (1,) float bits of max finite |y|). y's dtype: the promoted one of weight and x
-    with `cast_first`, else x's. See reference.rms_norm_forward."""
+    with `cast_first`, else x's. See rms_norm_forward, the twin."""
     if not x.is_contiguous():
         raise ValueError("rms_norm_forward takes a contiguous tensor")
     _check_dtypes(x, weight)
@@ -127,10 +178,10 @@ def _programs(device: torch.device, m: int) -> int:
     return max(1, min(m, 2 * _SM_COUNT[index]))
 
 
-def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-                      cast_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_backward_triton(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                             cast_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx in x's dtype and shape, dweight in weight's dtype) for rms_norm_forward's y;
-    `dy` and `x` contiguous, of x's shape. See reference.rms_norm_backward."""
+    `dy` and `x` contiguous, of x's shape. See rms_norm_backward, the twin."""
     if not (dy.is_contiguous() and x.is_contiguous()):
         raise ValueError("rms_norm_backward takes contiguous dy and x")
     _check_dtypes(x, weight)
@@ -146,3 +197,16 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     launch(_rms_norm_bwd_kernel, progs, (dy, x, weight, rstd, dx, partial, m, n, rows_per_prog),
            (block, cast_first), warps)
     return dx, partial.sum(0).to(weight.dtype)
+
+
+class RMSNormKernels(NamedTuple):
+    """`forward(x, weight, eps, cast_first) -> (y, rstd, amax_bits)`, `backward(dy, x,
+    weight, rstd, cast_first) -> (dx, dweight)`, for rows of at most `max_hidden` elements."""
+
+    forward: Callable
+    backward: Callable
+    max_hidden: float
+
+
+TORCH = RMSNormKernels(rms_norm_forward, rms_norm_backward, float("inf"))
+TRITON = RMSNormKernels(rms_norm_forward_triton, rms_norm_backward_triton, MAX_HIDDEN)

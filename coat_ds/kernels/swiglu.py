@@ -1,4 +1,7 @@
-"""SwiGLU's activation, h = silu(gate) * up, fused: one kernel forward, one backward.
+"""SwiGLU's activation, h = silu(gate) * up, fused: one kernel forward, one backward (registry
+op "swiglu"; eager only, so no custom op), and their torch twins: Hugging Face's eager ops
+themselves (F.silu, then a multiply; silu's backward op), which round where the kernels do,
+so the twins are bit-equal to Hugging Face's eager MLP on the same device.
 
 Hugging Face's eager Llama MLP computes `act_fn(gate) * up` as two kernels forward (silu,
 mul) and two backward (mul's, silu's), each reading and writing whole tensors of the
@@ -13,20 +16,46 @@ kernel's output), and so is dh * up before silu's backward reads it (mul's backw
 output). silu(x) = x / (1 + exp(-x)) and its derivative
 sigmoid(x) * (1 + x * (1 - sigmoid(x))) are torch's formulas. Compiled, Triton's exp is the
 GPU's approximate one: an FP32 intermediate may then differ from torch's in its last bit.
-Rounding to BF16 is done in integer operations (codec.round_to; round to nearest even):
+Rounding to BF16 is done in integer operations (fp8_triton.round_to; round to nearest even):
 Triton's interpreter truncates in its own cast (1 + 3 * 2**-9 -> 1.0), and the tests run there.
 """
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import torch
-import triton
-import triton.language as tl
 
-from .act_launch import launch
-from .codec import round_to
-from .fp8_linear import _finite_abs
+from .fp8_linear import linear_finite_absmax
+from .fp8_triton import finite_abs, round_to
+from .jit import jit, launch
 
-__all__ = ["swiglu_forward", "swiglu_backward"]
+__all__ = ["swiglu_forward", "swiglu_backward", "swiglu_forward_triton", "swiglu_backward_triton",
+           "SwiGLUKernels", "TORCH", "TRITON"]
+
+triton = tl = None  # jit.bind sets them when a Triton backend is chosen
+
+
+# ---- The torch twins ----------------------------------------------------------------------
+
+
+def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, with_max: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(h = silu(gate) * up, silu rounded to gate's dtype first; with `with_max`, the int32
+    bits of linear_finite_absmax(h) as a (1,) tensor, else None)."""
+    h = (torch.nn.functional.silu(gate) * up).contiguous()
+    amax = linear_finite_absmax(h).reshape(1).view(torch.int32) if with_max else None
+    return h, amax
+
+
+def swiglu_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dgate, dup): dup = dh * silu(gate) (silu rounded to gate's dtype), dgate = silu's
+    derivative at gate times dh * up (rounded to gate's dtype)."""
+    dup = dh * torch.nn.functional.silu(gate)
+    dgate = torch.ops.aten.silu_backward(dh * up, gate)
+    return dgate, dup
+
+
+# ---- The Triton kernels -------------------------------------------------------------------
 
 # Elementwise: 4096 elements per program, 16 per thread at 8 warps; few program instances
 # under the interpreter (its cost is per instance). Not yet tuned on a GPU.
@@ -34,7 +63,7 @@ _BLOCK = 4096
 _NUM_WARPS = 8
 
 
-@triton.jit
+@jit
 def _swiglu_fwd_kernel(g_ptr, u_ptr, h_ptr, amax_bits_ptr, n, BLOCK: tl.constexpr, MAX: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -46,11 +75,11 @@ def _swiglu_fwd_kernel(g_ptr, u_ptr, h_ptr, amax_bits_ptr, n, BLOCK: tl.constexp
     tl.store(h_ptr + offs, h.to(dtype), mask=mask)
     if MAX:
         # The max of the stored values, which down_proj's cast scales; masked lanes are 0.
-        a = _finite_abs(h)
+        a = finite_abs(h)
         tl.atomic_max(amax_bits_ptr, tl.max(a, axis=0).to(tl.int32, bitcast=True))
 
 
-@triton.jit
+@jit
 def _swiglu_bwd_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -74,11 +103,11 @@ def _check(name: str, *ts: torch.Tensor) -> None:
                              f"{[(tuple(x.shape), x.dtype, str(x.device)) for x in ts]}")
 
 
-def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, with_max: bool = False
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def swiglu_forward_triton(gate: torch.Tensor, up: torch.Tensor, with_max: bool = False
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(h = silu(gate) * up in gate's dtype and shape, contiguous; with `with_max`, max |h|
     over its finite values as the int32 bits of a float32, shape (1,): what
-    fp8_linear.linear_quantize's `amax_bits` takes; else None). See reference.swiglu_forward."""
+    linear_quantize's `amax` takes; else None). See swiglu_forward, the twin."""
     _check("swiglu_forward", gate, up)
     g, u = gate.contiguous(), up.contiguous()
     h = torch.empty_like(g)
@@ -90,9 +119,10 @@ def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, with_max: bool = False
     return h, amax
 
 
-def swiglu_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_backward_triton(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dgate, dup) of h = silu(gate) * up given dh, in gate's dtype and shape. See
-    reference.swiglu_backward."""
+    swiglu_backward, the twin."""
     _check("swiglu_backward", dh, gate, up)
     dh, g, u = dh.contiguous(), gate.contiguous(), up.contiguous()
     dg, du = torch.empty_like(g), torch.empty_like(u)
@@ -100,3 +130,15 @@ def swiglu_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> t
     if n:
         launch(_swiglu_bwd_kernel, triton.cdiv(n, _BLOCK), (dh, g, u, dg, du, n), (_BLOCK,), _NUM_WARPS)
     return dg, du
+
+
+class SwiGLUKernels(NamedTuple):
+    """`forward(gate, up, with_max) -> (h, amax_bits | None)`, `backward(dh, gate, up) ->
+    (dgate, dup)`."""
+
+    forward: Callable
+    backward: Callable
+
+
+TORCH = SwiGLUKernels(swiglu_forward, swiglu_backward)
+TRITON = SwiGLUKernels(swiglu_forward_triton, swiglu_backward_triton)

@@ -8,17 +8,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import Fp8LinearConfig
-from ..kernels.fp8 import cuda_has_fp8
+from ..kernels.fp8 import cuda_has_fp8, get_format
 from ..kernels.layout import new_weight_guess
-from .function import fp8_linear
+from ..kernels.registry import get
+from .function import Fp8LinearSpec, fp8_linear, input_max_split
 
 __all__ = ["Fp8Linear", "fp8_gemm_available"]
 
 _GUESS = "fp8_weight_guess"
+_SPEC = "_fp8_spec"
 logger = logging.getLogger("coat_ds.linear")
-# Fp8LinearConfig.eager_min_macs's default on CUDA: on an H100 an eager FP8 layer costs about
-# 0.5 ms more host work per step than nn.Linear, which its GEMMs save back from about here
-# (docs/benchmarks.md, "the eager size limits": FP8 won eagerly at 1b with 16k tokens, lost at 8k).
+# Fp8LinearConfig.eager_min_macs's default on CUDA: an eager FP8 layer costs more host work per
+# step than nn.Linear, which its GEMMs save back from about this size on (docs/benchmarks.md,
+# "the eager size limits").
 CUDA_EAGER_MIN_MACS = 2 ** 36
 # (in, out, tokens) already logged as running as nn.Linear. The first is a WARNING, so that it
 # shows without logging configured (HF Trainer's and train.py's case); the rest are INFO.
@@ -46,12 +48,25 @@ def _tell_small(in_f: int, out_f: int, tokens: int, limit: int) -> None:
 
 def fp8_gemm_available(device: torch.device) -> bool:
     """Whether `torch._scaled_mm` runs FP8 GEMMs on `device`: CUDA compute capability 8.9+
-    (Ada, Hopper and later) or CPU."""
+    (fp8.FP8_CAPABILITY) or CPU."""
     if device.type == "cpu":
         return True
     if device.type == "cuda":
         return cuda_has_fp8(device.index if device.index is not None else torch.cuda.current_device())
     return False
+
+
+def fp8_spec(config: Fp8LinearConfig, device: torch.device, weight_shape: torch.Size,
+             compiling: bool) -> Fp8LinearSpec:
+    """What a layer of `config` with a weight of `weight_shape` computes with on `device`."""
+    fp8_gemm = fp8_gemm_available(device) if config.fp8_gemm == "auto" else config.fp8_gemm == "on"
+    kernels = get("fp8_linear", device, config.backend, "Fp8LinearConfig.backend")
+    # "auto" compiled: the torch twin, which Inductor fuses into the kernels around it.
+    quantize = get("fp8_linear", device, "torch").quantize if compiling and config.backend == "auto" else kernels.quantize
+    return Fp8LinearSpec(get_format(config.input_format), get_format(config.weight_format),
+                         get_format(config.grad_format), fp8_gemm, config.fast_accum,
+                         config.keep_weight_codes and fp8_gemm, (config.input_format, fp8_gemm, config.backend),
+                         input_max_split(weight_shape), quantize, kernels.quantize_kept)
 
 
 class Fp8Linear(nn.Linear):
@@ -89,28 +104,30 @@ class Fp8Linear(nn.Linear):
             self.register_buffer(_GUESS, guess, persistent=False)
         return guess
 
+    def _spec(self, device: torch.device) -> Fp8LinearSpec:
+        """`fp8_spec` for eager calls on `device`, made once per config and device."""
+        cfg = self.fp8_config
+        cached = self.__dict__.get(_SPEC)  # absent on a layer converted before it existed
+        if cached is None or cached[0] is not cfg or cached[1] != device:
+            cached = self.__dict__[_SPEC] = (cfg, device, fp8_spec(cfg, device, self.weight.shape, False))
+        return cached[2]
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         cfg = self.fp8_config
-        if not torch.compiler.is_compiling():
-            limit = eager_min_macs(cfg, input.device)
+        device = input.device
+        if torch.compiler.is_compiling():
+            spec = fp8_spec(cfg, device, self.weight.shape, True)
+        else:
+            limit = eager_min_macs(cfg, device)
             if limit:
                 tokens = input.numel() // self.in_features
                 if tokens * self.in_features * self.out_features < limit:
                     _tell_small(self.in_features, self.out_features, tokens, limit)
                     return F.linear(input, self.weight, self.bias)
-        dev_type = input.device.type
-        if torch.is_autocast_enabled(dev_type):
-            out_dtype = torch.get_autocast_dtype(dev_type)
-        else:
-            out_dtype = input.dtype
-        if cfg.fp8_gemm == "auto":
-            fp8_gemm = fp8_gemm_available(input.device)
-        else:
-            fp8_gemm = cfg.fp8_gemm == "on"
+            spec = self._spec(device)
+        out_dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else input.dtype
         weight = self.weight
-        return fp8_linear(input, weight, self.bias, out_dtype, fp8_gemm,
-                          (cfg.input_format, cfg.weight_format, cfg.grad_format), cfg.fast_accum, cfg.backend,
-                          cfg.keep_weight_codes, self._weight_guess(weight))
+        return fp8_linear(input, weight, self.bias, self._weight_guess(weight), out_dtype, spec)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8_config={self.fp8_config}"

@@ -3,12 +3,12 @@ output carries its max to the FP8 linear layers reading it.
 
 Forward is one pass over the input (kernels/rms_norm.py): it writes the output, one
 inverse RMS per row (all that backward keeps besides the input and the weight) and the
-output's finite max |y|. That max is offered to the layers reading the output
+output's finite max |y|. That max is attached to the output for the layers reading it
 (shared_input.offer_max): the first Fp8Linear among them (q_proj after input_layernorm,
 gate_proj after post_attention_layernorm) quantizes it without a max pass of its own and
 leaves the codes to its siblings. Backward is one kernel for dx and dweight's per-program
 sums, plus a small sum. No consumer needs to be known: a layer that is not an Fp8Linear
-just ignores the offer.
+never looks.
 
 Under torch.compile the module runs its own torch code (Inductor fuses it already), so
 the fusion is an eager speed-up only. Which order of roundings a module computes is
@@ -27,8 +27,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..config import Fp8LinearConfig
-from ..kernels import reference
-from ..kernels.ops import get_rms_norm_ops
+from ..kernels.registry import get_kept
+from ..kernels.rms_norm import rms_norm_forward
 from . import shared_input
 
 __all__ = ["fuse_rms_norms"]
@@ -43,8 +43,8 @@ class _FusedRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_nd, weight, eps, cast_first, kernels):
         x = x_nd if x_nd.is_contiguous() else x_nd.contiguous()
-        forward_kernel, ctx.backward_kernel = kernels
-        y, rstd, amax_bits = forward_kernel(x, weight, eps, cast_first)
+        ctx.backward_kernel = kernels.backward
+        y, rstd, amax_bits = kernels.forward(x, weight, eps, cast_first)
         ctx.save_for_backward(x, weight, rstd)
         ctx.cast_first = cast_first
         ctx.mark_non_differentiable(amax_bits)
@@ -83,8 +83,8 @@ class _FusedRMSNorm(nn.Module):
         x = hidden_states
         if torch.compiler.is_compiling() or not _fusable(x, w):
             return super().forward(hidden_states)
-        kernels = get_rms_norm_ops(x.device, self.fused_norm_backend, x.shape[-1], "Fp8LinearConfig.backend")
-        if kernels is None:
+        kernels = get_kept(self, "rms_norm", x.device, self.fused_norm_backend, "Fp8LinearConfig.backend")
+        if x.shape[-1] > kernels.max_hidden:
             return super().forward(hidden_states)
         eps = _eps(getattr(self, self._fused_eps_name))
         y, amax_bits = _FusedRMSNormFunction.apply(x, w, eps, self._fused_cast_first, kernels)
@@ -126,7 +126,7 @@ def _cast_first(m: nn.Module, eps_name: str) -> bool | None:
         except Exception:  # a forward taking other arguments, or failing on CPU: not ours to fuse
             return None
         for order in list(orders):
-            want = reference.rms_norm_forward(x, stand_in.weight, eps, order)[0]
+            want = rms_norm_forward(x, stand_in.weight, eps, order)[0]
             if not (isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want)):
                 orders.discard(order)
     return orders.pop() if len(orders) == 1 else None

@@ -1,62 +1,64 @@
-"""One FP8 copy of an input that several converted layers read (q/k/v, gate/up).
+"""One FP8 copy of an input that several converted layers read (q/k/v, gate/up), held by the
+input itself.
 
 Eagerly, sibling layers are called one after another on the same tensor object. Each would
 quantize it again and backward would keep one copy per layer: three for an attention
-block's input. The last input quantized in forward is remembered here, keyed on the tensor
-object (a weak reference), its version counter (an in-place change is a miss) and the
-recipe, so its siblings reuse the codes and save the same tensor for backward.
+block's input. The first Fp8Linear to quantize a tensor keeps the codes in a `SharedInput`
+attached to it (`on`), with the recipe they were made for and the tensor's version counter
+then (an in-place change is a miss); its siblings find them there, reuse them and save the
+same tensor for backward. The codes live as long as the tensor does, or until a layer that
+used them starts its backward (`release`: forward is over by then), so the last codes of a
+forward do not stay alive through backward.
 
-Under torch.compile nothing is remembered: the traced graph holds the same computation
-three times, and AOTAutograd's CSE merges it into one node (Inductor may still write that
-node's codes once per GEMM reading them; docs/history/benchmarks-2026-11.md). The entry is dropped when any
-converted layer's backward starts (forward is over by then), so the last codes of a
-forward do not stay alive through backward; without a backward (inference) one entry stays
-until the next input.
+A fused RMSNorm (norm.py) or SwiGLU (swiglu.py) folds its output's finite max while writing
+it and attaches it the same way (`offer_max`): the first Fp8Linear reading the output
+quantizes with it, without a max pass of its own, and keeps the codes for its siblings. A
+layer that is not an Fp8Linear never looks.
 
-A fused RMSNorm (norm.py) or SwiGLU (swiglu.py) folds its output's max while writing it
-and offers that max here, keyed the same way: the first layer reading the output quantizes with it, without a
-max pass of its own, and remembers the codes for its siblings as above."""
+Under torch.compile nothing is attached: the traced graph holds the same computation per
+layer, and AOTAutograd's CSE merges it into one node (Inductor may still write that node's
+codes once per GEMM reading them; docs/benchmarks.md)."""
 from __future__ import annotations
-
-import threading
-import weakref
 
 import torch
 
-__all__ = ["clear", "lookup", "remember", "offer_max", "offered_max"]
+__all__ = ["SharedInput", "on", "offer_max"]
 
-_local = threading.local()
-
-
-def _kept(slot: str, x: torch.Tensor) -> tuple | None:
-    """What `slot` keeps for `x` itself (the same object, unchanged since), or None."""
-    held = getattr(_local, slot, None)
-    if held is None or held[0]() is not x or x._version != held[1]:
-        return None
-    return held[2:]
+_ATTR = "coat_ds_shared_input"
 
 
-def lookup(x: torch.Tensor, recipe: tuple) -> tuple | None:
-    """The codes remembered for `x` under `recipe`, or None."""
-    kept = _kept("entry", x)
-    return kept[1] if kept is not None and kept[0] == recipe else None
+class SharedInput:
+    """What the FP8 layers reading one tensor share of it: its finite max where its producer
+    offered it (`amax`, int32 float bits, one element), and the codes the first of them made
+    (`codes`, for `recipe`)."""
+
+    __slots__ = ("version", "amax", "recipe", "codes")
+
+    def __init__(self, version: int, amax: torch.Tensor | None = None):
+        self.version, self.amax, self.recipe, self.codes = version, amax, None, None
+
+    def codes_for(self, recipe: tuple) -> tuple | None:
+        """The codes kept for `recipe`, or None."""
+        return self.codes if self.recipe == recipe else None
+
+    def keep(self, recipe: tuple, codes: tuple) -> tuple:
+        self.recipe, self.codes = recipe, codes
+        return codes
+
+    def release(self) -> None:
+        self.amax = self.recipe = self.codes = None
 
 
-def remember(x: torch.Tensor, recipe: tuple, codes: tuple) -> None:
-    _local.entry = (weakref.ref(x), x._version, recipe, codes)
+def on(x: torch.Tensor) -> SharedInput:
+    """The SharedInput of `x`, attached now where it has none for its current version."""
+    shared = getattr(x, _ATTR, None)
+    version = x._version
+    if shared is None or shared.version != version:
+        shared = SharedInput(version)
+        setattr(x, _ATTR, shared)
+    return shared
 
 
 def offer_max(x: torch.Tensor, amax_bits: torch.Tensor) -> None:
     """Offer `x`'s finite max |x| (int32 float bits, one element) to the layers reading it."""
-    _local.offer = (weakref.ref(x), x._version, amax_bits)
-
-
-def offered_max(x: torch.Tensor) -> torch.Tensor | None:
-    """The max offered for `x` (unchanged since), or None."""
-    kept = _kept("offer", x)
-    return None if kept is None else kept[0]
-
-
-def clear() -> None:
-    _local.entry = None
-    _local.offer = None
+    setattr(x, _ATTR, SharedInput(x._version, amax_bits))

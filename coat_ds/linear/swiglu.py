@@ -4,8 +4,8 @@ A Llama-style MLP is down_proj(act_fn(gate_proj(x)) * up_proj(x)) with act_fn Si
 that is a silu kernel and a multiply forward and their two backward kernels, each over
 tensors of the intermediate size, and then down_proj's FP8 cast reads the product again
 for its max. Fused (kernels/swiglu.py): one kernel writes h = silu(gate) * up and folds
-h's finite max; where down_proj is an Fp8Linear, that max is offered to it
-(shared_input.offer_max, as a fused RMSNorm offers its own), so its cast reads no max of
+h's finite max; where down_proj is an Fp8Linear, that max is attached to h for it
+(shared_input.offer_max, as a fused RMSNorm attaches its own), so its cast reads no max of
 its own. Backward is one kernel from dh, gate and up (the two tensors saved; h is not).
 
 Compiled, the module runs Hugging Face's ops: Inductor fuses them itself, max included.
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..config import Fp8LinearConfig
-from ..kernels.ops import get_swiglu_ops
+from ..kernels.registry import get, get_kept
 from . import shared_input
 from .layer import Fp8Linear
 
@@ -36,8 +36,8 @@ _PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
 class _SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, kernels, with_max):
-        forward_kernel, ctx.backward_kernel = kernels
-        h, amax_bits = forward_kernel(gate, up, with_max)
+        ctx.backward_kernel = kernels.backward
+        h, amax_bits = kernels.forward(gate, up, with_max)
         ctx.save_for_backward(gate, up)
         if amax_bits is not None:
             ctx.mark_non_differentiable(amax_bits)
@@ -62,12 +62,20 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, down: nn.Module | None = None, 
     Fp8Linear, the max the kernel folded is offered to it: its FP8 cast of h then reads no
     max of its own. Compiling, or for inputs the kernels do not take (shapes or dtypes that
     differ, other dtypes or devices), plain torch ops."""
+    return _swiglu(gate, up, down, backend, None)
+
+
+def _swiglu(gate, up, down, backend, owner: nn.Module | None) -> torch.Tensor:
+    """`swiglu`, its kernels kept on `owner` where one calls it at every call (get_kept)."""
     if torch.compiler.is_compiling() or not _fusable(gate, up):
         return nn.functional.silu(gate) * up
     fp8_down = isinstance(down, Fp8Linear)
     if fp8_down:
         backend = down.fp8_config.backend
-    kernels = get_swiglu_ops(gate.device, backend, "Fp8LinearConfig.backend")
+    if owner is None:
+        kernels = get("swiglu", gate.device, backend, "Fp8LinearConfig.backend")
+    else:
+        kernels = get_kept(owner, "swiglu", gate.device, backend, "Fp8LinearConfig.backend")
     h, amax_bits = _SwiGLUFunction.apply(gate, up, kernels, fp8_down)
     if fp8_down:
         shared_input.offer_max(h, amax_bits)
@@ -78,7 +86,7 @@ def _fused_forward(self, x):
     if torch.compiler.is_compiling():
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
     down = self.down_proj
-    return down(swiglu(self.gate_proj(x), self.up_proj(x), down, self.swiglu_config.backend))
+    return down(_swiglu(self.gate_proj(x), self.up_proj(x), down, self.swiglu_config.backend, self))
 
 
 _FUSED: dict[type, type] = {}

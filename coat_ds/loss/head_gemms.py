@@ -17,9 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from ..config import Fp8LinearConfig
-from ..kernels import reference
 from ..kernels.fp8 import get_format
-from ..kernels.ops import get_linear_ops
+from ..kernels.fp8_linear import linear_scale_exponent
+from ..kernels.fp8_torch import pow2
+from ..kernels.registry import get
 from ..linear.function import fp8_mm
 
 __all__ = ["HeadGemms", "Fp8HeadGemms"]
@@ -70,9 +71,9 @@ class Fp8HeadGemms:
                  config: Fp8LinearConfig, need_h: bool):
         self.f_in, self.f_w, self.f_g = (get_format(f) for f in (config.input_format, config.weight_format,
                                                                  config.grad_format))
-        self.quantize = get_linear_ops(weight.device, config.backend)
+        self.quantize = get("fp8_linear", weight.device, config.backend, "Fp8LinearConfig.backend").quantize
         self.wq, self.wq_t, ew = self.quantize(weight, self.f_w, True, need_h)
-        self.sw = reference.pow2(ew)
+        self.sw = pow2(ew)
         self.dtype, self.fast_accum = dtype, config.fast_accum
         # cuBLASLt takes a bias only with a 16-bit output; otherwise it is added after.
         self.fused_bias = bias is not None and dtype in (torch.bfloat16, torch.float16)
@@ -82,13 +83,13 @@ class Fp8HeadGemms:
             self.scale, self.ce_scale = scale.float(), torch.ones_like(scale)
             # |softmax - one_hot| <= 1: that bound sets the gradient's exponent once, with no
             # max pass per chunk; E5M2's range leaves nothing to gain from the exact max.
-            self.eg = reference.linear_scale_exponent(torch.ones((), device=weight.device), self.f_g)
-            self.sg = reference.pow2(self.eg) * self.scale
+            self.eg = linear_scale_exponent(torch.ones((), device=weight.device), self.f_g)
+            self.sg = pow2(self.eg) * self.scale
         self._dw_written = False  # grad_weight holds only zeros until the first chunk's GEMM writes it
 
     def logits(self, h: torch.Tensor, need_w: bool) -> torch.Tensor:
         hq, hq_t, eh = self.quantize(h, self.f_in, True, need_w)
-        sh = reference.pow2(eh)
+        sh = pow2(eh)
         self._h = (hq_t, sh)
         y = fp8_mm(hq, self.f_in, sh, self.wq, self.f_w, self.sw, self.dtype,
                    self.b if self.fused_bias else None, self.fast_accum)

@@ -21,9 +21,8 @@ from __future__ import annotations
 import torch
 
 from ..config import _BACKENDS, Fp8LinearConfig
-from ..kernels import reference
 from ..kernels.fp8 import GEMM_ALIGN
-from ..kernels.ops import get_cross_entropy_ops
+from ..kernels.registry import get
 from ..linear.layer import fp8_gemm_available
 from .head_gemms import Fp8HeadGemms, HeadGemms
 
@@ -161,10 +160,11 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
                            "capability 8.9+, or CPU); leave fp8=None there")
     if fp8 is not None:
         check_fp8_head_shape("linear_cross_entropy", tuple(weight.shape))
-    rows_ce = get_cross_entropy_ops(hidden.device, backend, "linear_cross_entropy's backend")
+    ce = get("cross_entropy", hidden.device, backend, "linear_cross_entropy's backend")
+    rows_ce = ce.rows
     dtype = _compute_dtype(hidden, weight)
     if chunk_tokens is None:
-        kept = dtype.itemsize if rows_ce is not reference.cross_entropy_rows else 4
+        kept = 4 if ce.fp32_copy else dtype.itemsize
         chunk_tokens = default_chunk_tokens(weight.shape[0], kept)
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"linear_cross_entropy: chunk_tokens must be a positive int, got {chunk_tokens!r}")

@@ -26,7 +26,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..config import AdamWHyperparams, OptimStateConfig
-from ..kernels import AdamWHyper, AdamWSlot, get_ops
+from ..kernels import AdamWHyper, AdamWSlot, get
 from ..memory.tensors import local_tensor
 from .nonfinite import SkipCounter
 
@@ -77,11 +77,11 @@ class _Bucket:
         self.indices = indices
         self.pick = _picker(indices)
         self.slots = [s._replace(grad=None) for s in slots]
-        self.ops = get_ops(slots[0].param.device, cfg.backend)
+        self.ops = get("adamw", slots[0].param.device, cfg.backend)
         self.kw = dict(group_size=cfg.group_size, fmt_m=cfg.first_moment_format, fmt_v=cfg.second_moment_format,
                        dre=cfg.dynamic_range_expansion, plan_cache=plan_cache)
-        prepare = self.ops.prepare_adamw_step
-        self.launch = _EachStep(self.ops.adamw_step, slots, **self.kw) if prepare is None else prepare(slots, **self.kw)
+        prepare = self.ops.prepare
+        self.launch = _EachStep(self.ops.step, slots, **self.kw) if prepare is None else prepare(slots, **self.kw)
 
     def split_run(self, grads, steps: list[float], hp: AdamWHyperparams, skipped: torch.Tensor,
                   grad_scale: torch.Tensor | None) -> None:
@@ -92,7 +92,7 @@ class _Bucket:
             by_step[int(step)].append(slot._replace(grad=grad if grad.is_contiguous() else grad.contiguous()))
         for step, slots in by_step.items():
             hyper = AdamWHyper.at_step(step, hp.lr, *hp.betas, hp.eps, hp.weight_decay)
-            self.ops.adamw_step(slots, hyper, skipped=skipped, **self.kw)
+            self.ops.step(slots, hyper, skipped=skipped, **self.kw)
 
 
 class GroupStep:

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from ..config import OptimStateConfig
-from ..kernels import QuantizedGroups, get_ops, group_layout
+from ..kernels import QuantizedGroups, get, group_layout
 
 __all__ = ["MOMENTS", "PART_DTYPES", "Fp8Moment", "moment_format"]
 
@@ -75,14 +75,13 @@ class Fp8Moment:
     def from_fp32(cls, x: torch.Tensor, name: str, cfg: OptimStateConfig) -> "Fp8Moment":
         """Moment `name` quantized from the FP32 tensor `x` (on its device) as `cfg` says."""
         fmt = moment_format(cfg, name)
-        groups = get_ops(x.device, cfg.backend).quantize_groups(x.detach().to(torch.float32), cfg.group_size, fmt,
-                                                                 cfg.dynamic_range_expansion)
+        groups = get("group_codec", x.device, cfg.backend).quantize(x.detach().to(torch.float32), cfg.group_size, fmt,
+                                                                    cfg.dynamic_range_expansion)
         return cls(groups, fmt, cfg.group_size)
 
     def to_fp32(self, backend: str = "auto") -> torch.Tensor:
         """The decoded moment: a new FP32 tensor shaped like the codes, on their device."""
-        ops = get_ops(self.groups.codes.device, backend)
-        return ops.dequantize_groups(self.groups, self.group_size, self.fmt)
+        return get("group_codec", self.groups.codes.device, backend).dequantize(self.groups, self.group_size, self.fmt)
 
     def map(self, codes: Transform, meta: Transform) -> "Fp8Moment":
         """The same moment with `codes` applied to the codes and `meta` to each per-group

@@ -16,7 +16,7 @@ import torch
 
 from .._compat.torch import detach_unseen, inside_checkpoint
 from ..config import ActivationConfig
-from ..kernels.act_ops import get_act_ops
+from ..kernels.registry import get
 from ..kernels.fp8 import get_format
 
 __all__ = ["recomputed", "is_recomputed", "compile_layer"]
@@ -102,7 +102,7 @@ class RecomputedForward:
         return self._checkpoint_fp8(x, key, args, kwargs)
 
     def _checkpoint_fp8(self, x, key, args, kwargs):
-        box = _LayerInput(x, get_act_ops(x.device, self.fp8_input.backend), self._fmt, self.fp8_input.group_size)
+        box = _LayerInput(x, get("act_codec", x.device, self.fp8_input.backend), self._fmt, self.fp8_input.group_size)
         inner = self.inner
         # The layer reads its input from the box: the tensor in forward, the dequantized codes
         # when backward recomputes it (checkpoint matches the saved tensors by order and

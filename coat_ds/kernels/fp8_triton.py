@@ -1,21 +1,26 @@
-"""Triton device functions shared by every kernel: FP8 encode/decode and group (de)quantization.
+"""FP8 in Triton: device functions that every kernel shares (encode, decode, rounding, group
+(de)quantization); fp8_torch.py holds what the torch twins share.
 
 Every function takes a constexpr ISA (see fp8.py) saying what the compiled code may use:
 - ISA_NVIDIA_FP8 (2, compute capability 8.9+): the hardware's saturating round-to-nearest-
   even FP8 conversions, and log2/exp2/rcp from the special-function unit (a precise log2
-  costs ~20 instructions and made the optimizer step compute-bound);
+  is many instructions and made the optimizer step compute-bound);
 - ISA_NVIDIA (1, older NVIDIA GPUs, or forced): the same special functions, FP8 coded in
   integer bit operations. Those round exactly like the hardware conversion, so codes are
   bit-identical to ISA 2's (tests/test_kernel_paths.py checks it on a GPU);
 - ISA_GENERIC (0, the interpreter and ROCm): no inline PTX at all; precise log2/exp2 and
   the integer FP8 coding (the interpreter's own FP8 casts mis-round: ties away from even,
   subnormals truncated).
-Formats are constexpr ints: 0 = E4M3, 1 = E5M2.
+Formats are constexpr ints: 0 = E4M3, 1 = E5M2. Defined with jit.py's deferred `jit`.
 """
-import triton
-import triton.language as tl
+from __future__ import annotations
 
-@triton.jit
+from .jit import jit
+
+triton = tl = None  # jit.bind sets them when a Triton backend is chosen
+
+
+@jit
 def fmt_max(FMT: tl.constexpr):
     if FMT == 0:
         return 448.0
@@ -23,7 +28,7 @@ def fmt_max(FMT: tl.constexpr):
         return 57344.0
 
 
-@triton.jit
+@jit
 def fmt_min_subnormal(FMT: tl.constexpr):
     if FMT == 0:
         return 0.001953125
@@ -31,14 +36,14 @@ def fmt_min_subnormal(FMT: tl.constexpr):
         return 1.52587890625e-05
 
 
-@triton.jit
+@jit
 def _sfu(x, ASM: tl.constexpr):
     # The .ftz forms are one special-function instruction; without .ftz ptxas wraps each in
     # subnormal range fix-ups. Callers treat subnormal magnitudes as zero on the GPU.
     return tl.inline_asm_elementwise(ASM, "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
 
 
-@triton.jit
+@jit
 def log2(x, ISA: tl.constexpr):
     if ISA >= 1:
         return _sfu(x, "lg2.approx.ftz.f32 $0, $1;")
@@ -46,7 +51,7 @@ def log2(x, ISA: tl.constexpr):
         return tl.log2(x)
 
 
-@triton.jit
+@jit
 def exp2(x, ISA: tl.constexpr):
     if ISA >= 1:
         return _sfu(x, "ex2.approx.ftz.f32 $0, $1;")
@@ -54,7 +59,7 @@ def exp2(x, ISA: tl.constexpr):
         return tl.exp2(x)
 
 
-@triton.jit
+@jit
 def rcp(x, ISA: tl.constexpr):
     if ISA >= 1:
         return _sfu(x, "rcp.approx.ftz.f32 $0, $1;")
@@ -62,12 +67,12 @@ def rcp(x, ISA: tl.constexpr):
         return 1.0 / x
 
 
-@triton.jit
+@jit
 def encode_fp8(x, FMT: tl.constexpr, ISA: tl.constexpr):
     """float32 -> uint8 FP8 code, round to nearest even, saturating at the format's max."""
     if ISA == 2:
-        # Hopper's saturating conversion, four floats to four codes per instruction pair.
-        # (Triton 3.6's own `.to(tl.float8e4nv)` returned wrong codes here on an H100.)
+        # The hardware's saturating conversion, four floats to four codes per instruction
+        # pair. (Triton's own `.to(tl.float8e4nv)` returned wrong codes here on a GPU.)
         if FMT == 0:
             return tl.inline_asm_elementwise(
                 "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
@@ -81,7 +86,7 @@ def encode_fp8(x, FMT: tl.constexpr, ISA: tl.constexpr):
     return _encode_fp8_bits(x, FMT)
 
 
-@triton.jit
+@jit
 def decode_fp8(code, FMT: tl.constexpr, ISA: tl.constexpr):
     """uint8 FP8 code -> float32 (no NaN/inf codes are ever written)."""
     if ISA == 2:
@@ -92,7 +97,7 @@ def decode_fp8(code, FMT: tl.constexpr, ISA: tl.constexpr):
     return _decode_fp8_bits(code, FMT)
 
 
-@triton.jit
+@jit
 def _encode_fp8_bits(x, FMT: tl.constexpr):
     if FMT == 0:
         MB: tl.constexpr = 3
@@ -118,7 +123,7 @@ def _encode_fp8_bits(x, FMT: tl.constexpr):
     return code.to(tl.uint8)
 
 
-@triton.jit
+@jit
 def _decode_fp8_bits(code, FMT: tl.constexpr):
     if FMT == 0:
         MB: tl.constexpr = 3
@@ -139,7 +144,15 @@ def _decode_fp8_bits(code, FMT: tl.constexpr):
     return (val.to(tl.int32, bitcast=True) | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)
 
 
-@triton.jit
+@jit
+def finite_abs(x):
+    """|x|, non-finite values as 0 (NaN compares false too): what a max that sets a scale
+    reads."""
+    a = tl.abs(x)
+    return tl.where(a < float("inf"), a, 0.0)
+
+
+@jit
 def round_to_bf16(x):
     """float32 rounded to the nearest bfloat16 value (ties to even), still as float32.
 
@@ -150,7 +163,7 @@ def round_to_bf16(x):
     return tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
 
 
-@triton.jit
+@jit
 def round_to(x, dtype: tl.constexpr):
     """float32 `x` rounded to `dtype` (bfloat16, float16 or float32; nearest, ties to even),
     still as float32: what storing it in `dtype` keeps, so later math sees the stored value."""
@@ -162,13 +175,13 @@ def round_to(x, dtype: tl.constexpr):
         return x
 
 
-@triton.jit
+@jit
 def pow2(e):
     """Exact 2**e (float32) for int32 e in [-126, 127]."""
     return ((e + 127) << 23).to(tl.float32, bitcast=True)
 
 
-@triton.jit
+@jit
 def scale_exponent(ymax, FMT: tl.constexpr):
     """Exact ceil(log2(ymax / max)) for positive normal ymax, from its bits: both formats'
     max is 1.75 * 2**E, so it is ymax's exponent - E, plus one when its mantissa > 1.75."""
@@ -180,11 +193,11 @@ def scale_exponent(ymax, FMT: tl.constexpr):
     return ((bits >> 23) & 0xFF) - (127 + E) + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
 
 
-@triton.jit
+@jit
 def quantize_tile(x, FMT: tl.constexpr, DRE: tl.constexpr, DRE_KNUM: tl.constexpr, ISA: tl.constexpr):
     """Quantize a [groups, G] float32 tile, one group per row; masked lanes must hold 0.
 
-    Returns (codes uint8, center f32, kcode uint8, sexp int8); see reference.quantize_groups.
+    Returns (codes uint8, center f32, kcode uint8, sexp int8); see group_codec.quantize_groups.
     Per-group values come from the row's max and min: the largest y is the image of the
     largest |x| under the same formula, so it needs no second reduction. On NVIDIA GPUs
     (ISA >= 1) subnormal magnitudes count as zero (the special-function log2 flushes them),
@@ -229,7 +242,7 @@ def quantize_tile(x, FMT: tl.constexpr, DRE: tl.constexpr, DRE_KNUM: tl.constexp
     return encode_fp8(q, FMT, ISA), center, kf.to(tl.uint8), sexp.to(tl.int8)
 
 
-@triton.jit
+@jit
 def dequantize_tile(codes, center, kcode, sexp, FMT: tl.constexpr, ISA: tl.constexpr):
     """Inverse of quantize_tile on a [groups, G] tile of codes.
 
