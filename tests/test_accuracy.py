@@ -39,7 +39,7 @@ def test_coat_adamw_loss_matches_torch_adamw(data):
     while AdamW's own seed-to-seed spread was ~5% (docs/accuracy.md). At LR 3e-3 the tiny
     model's runs are chaotic (paired gaps of -1% to +3% between any two perturbed runs), so a
     1% bound there would test luck, not the optimizer."""
-    lp = _bench("accuracy")
+    lp = _bench("parity")
     args = SimpleNamespace(preset="tiny", steps=200, batch_size=8, seq_len=64, lr=1e-3, warmup=20,
                            weight_decay=0.1, seed=1337, eval_batches=16, fp32=True, log_interval=0, compile=False)
     dev = torch.device("cpu")
@@ -56,7 +56,7 @@ def test_quant_table_ranking_on_real_moments(data):
     """On moments of a briefly trained tiny model: E4M3+DRE for both moments beats every
     combination without DRE, is within 10% of the best cell, and DRE cuts the E4M3/E4M3
     error by at least the paper's ~1.6x."""
-    qt = _bench("accuracy")
+    qt = _bench("quant_table")
     moments, first, last = qt.train_moments("tiny", 40, 8, 64, 0, 1e-3, data)
     assert last < first
     table = qt.quant_table(moments)
@@ -70,7 +70,7 @@ def test_quant_table_ranking_on_real_moments(data):
 def test_reference_kernel_model_collapses_k_on_zero_groups():
     """The model of the reference kernel's min (zeros included) picks a much smaller k for a
     group with one exact zero, and its error on the nonzeros grows; ours is unaffected."""
-    qt = _bench("accuracy")
+    qt = _bench("quant_table")
     torch.manual_seed(0)
     x = torch.exp(torch.empty(2, 128).uniform_(-7, -4)) * torch.randn(2, 128).sign()
     x[1, 5] = 0.0
