@@ -328,3 +328,23 @@ def test_accelerate_deepspeed_plugin_builds_coat(ranks):
 
 if __name__ == "__main__":
     worker(sys.argv[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_accelerate_fsdp2_plugin_trains_a_prepared_model(tmp_path):
+    """Accelerate applies its FSDP plugin on GPUs only (on CPU it trains unsharded): there, a
+    model prepared by coat_ds.prepare with CoatAdamW trains under the FSDP2 plugin, as the plain
+    model with torch AdamW does, both from the same first loss."""
+    from helpers import run_in_repo
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    run_in_repo([sys.executable, "bench/clients.py", "accelerate", "--shape", "tiny", "--seq", "64", "--micro", "2",
+                 "--steps", "4", "--warmup", "2", "--out", str(tmp_path)], 600,
+                NGPU=str(min(2, torch.cuda.device_count())))
+    rows = {r["side"]: r for r in json.load(open(tmp_path / "clients_accelerate.json"))}
+    assert set(rows) == {"bf16", "coat"} and all("error" not in r for r in rows.values()), rows
+    assert "fp8_linear           applied" in rows["coat"]["report"]
+    first = rows["bf16"]["losses"][0]
+    assert abs(rows["coat"]["losses"][0] - first) <= 2e-2 * first, rows
