@@ -747,6 +747,30 @@ def test_shared_input_misses_on_change_and_clears_in_backward():
     assert shared_input.on(xr).codes_for(("e4m3", True, "torch")) is None
 
 
+def test_shared_codes_die_with_their_input_not_at_backward():
+    """The row-major codes that siblings share are read only by their forwards: once the input
+    they were made from is gone, nothing keeps them (the layers hold them weakly), so a
+    forward through every layer of a model leaves none of them alive for backward."""
+    import gc
+
+    from coat_ds.linear.shared_input import SharedInput
+
+    m = _Siblings()
+    convert_to_fp8_linear(m, config=Fp8LinearConfig(fp8_gemm="on", backend="torch"),
+                          module_filter_fn=lambda mod, fqn: True)
+
+    def kept() -> int:
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if isinstance(o, SharedInput) and o.codes is not None)
+
+    before = kept()
+    x = torch.randn(B, S, K, requires_grad=True)
+    y = m(x * 2)  # an input that only the layers see
+    assert kept() == before
+    y.sum().backward()
+    assert x.grad is not None
+
+
 @pytest.mark.parametrize("ckpt", [None, "non-reentrant", "reentrant"])
 def test_shared_input_on_hf_llama_gives_the_same_gradients(ckpt):
     """On a Hugging Face Llama with compress_activations, with and without activation

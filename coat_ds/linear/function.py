@@ -15,6 +15,7 @@ input itself and backward's weight gradient from the dequantized FP8 copy: the m
 saving stays, the speed-up does not."""
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -125,7 +126,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
             y = torch.nn.functional.linear(x_nd.to(out_dtype), weight.to(out_dtype),
                                            None if bias is None else bias.to(out_dtype))
         ctx.save_for_backward(xq_t, ex, wq_t if spec.keep_w else weight, ew)
-        ctx.spec, ctx.shared = spec, shared
+        # Weakly: a strong reference would keep the row-major codes, which only the siblings'
+        # forwards read, alive until backward.
+        ctx.spec, ctx.shared = spec, (weakref.ref(shared) if shared is not None else None)
         # Eagerly the scales go to backward as they are (four bytes each, not through the
         # saved-tensor hooks), with the exponents they were made from: a checkpoint that
         # recomputes this forward hands backward the recomputed exponents, and the input it
@@ -139,8 +142,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy):
-        if ctx.shared is not None:  # None compiled
-            ctx.shared.release()
+        shared = ctx.shared() if ctx.shared is not None else None  # None compiled, or gone with its tensor
+        if shared is not None:
+            shared.release()
         xq_t, ex, weight_or_codes, ew = ctx.saved_tensors
         spec = ctx.spec
         f_in, f_w, f_g = spec.f_in, spec.f_w, spec.f_g

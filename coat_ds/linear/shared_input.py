@@ -6,9 +6,9 @@ quantize it again and backward would keep one copy per layer: three for an atten
 block's input. The first Fp8Linear to quantize a tensor keeps the codes in a `SharedInput`
 attached to it (`on`), with the recipe they were made for and the tensor's version counter
 then (an in-place change is a miss); its siblings find them there, reuse them and save the
-same tensor for backward. The codes live as long as the tensor does, or until a layer that
-used them starts its backward (`release`: forward is over by then), so the last codes of a
-forward do not stay alive through backward.
+same tensor for backward. The codes live as long as the tensor does (the layers hold them only
+weakly), or until a layer that used them starts its backward (`release`: forward is over by
+then), so the last codes of a forward do not stay alive through backward.
 
 A fused RMSNorm (norm.py) or SwiGLU (swiglu.py) folds its output's finite max while writing
 it and attaches it the same way (`offer_max`): the first Fp8Linear reading the output
@@ -32,7 +32,7 @@ class SharedInput:
     offered it (`amax`, int32 float bits, one element), and the codes the first of them made
     (`codes`, for `recipe`)."""
 
-    __slots__ = ("version", "amax", "recipe", "codes")
+    __slots__ = ("version", "amax", "recipe", "codes", "__weakref__")
 
     def __init__(self, version: int, amax: torch.Tensor | None = None):
         self.version, self.amax, self.recipe, self.codes = version, amax, None, None
