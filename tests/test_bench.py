@@ -46,8 +46,9 @@ def _last_table(out: str) -> list[str]:
 
 
 def test_bench_holds_few_short_files():
+    # One script per question (and their shared modules and shell helpers), none long.
     files = [f for f in os.listdir(BENCH) if not f.startswith((".", "__"))]
-    assert len(files) <= 15, files
+    assert len(files) <= 16, files
     long = {f: n for f in files if (n := sum(1 for _ in open(os.path.join(BENCH, f)))) > 400}
     assert not long, f"bench files over 400 lines (one script per question): {long}"
 
