@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .._compat.torch import current_graph_task_id, swap_functorch_options, top_saved_tensors_hooks
+from .._compat.torch import current_graph_task_id, inside_checkpoint, swap_functorch_options
 from ..config import ActivationConfig
 from .accounting import ActivationStats
 from .hooks import SavedTensorCompressor
@@ -63,10 +63,7 @@ def _inside_checkpoint_or_backward() -> bool:
     for non-reentrant checkpoint, would hide them from its recomputation hooks. Under the
     forward of a non-reentrant checkpoint, its hooks store nothing but placeholders, which
     beats any FP8 copy; ours, pushed above them, would take over and defeat the checkpoint."""
-    if current_graph_task_id() != -1:
-        return True
-    top = top_saved_tensors_hooks()
-    return top is not None and getattr(top[0], "__module__", "") == "torch.utils.checkpoint"
+    return current_graph_task_id() != -1 or inside_checkpoint()
 
 
 class ActivationCompression:

@@ -30,6 +30,7 @@ __all__ = ["prepare"]
 logger = logging.getLogger("coat_ds")
 _PREPARED = "_coat_prepared_recipe"
 _Filter = Callable[[nn.Module, str], bool]
+_NO_LAYERS = "no decoder layer list found (or module_filter_fn leaves every layer out)"
 
 
 def prepare(model: nn.Module, recipe: str = "speed", *, module_filter_fn: _Filter | None = None,
@@ -195,7 +196,7 @@ def _recompute(model: nn.Module, config: RecipeConfig, keep: _Filter) -> Step:
         return _off(name)
     layers = _layers(model, keep)
     if not layers:
-        return Step(name, False, "no decoder layer list found (or module_filter_fn leaves every layer out)")
+        return Step(name, False, _NO_LAYERS)
     fp8_input = config.compress_activations or RecipeConfig.named("memory").compress_activations
     for _, layer in layers:
         if not is_recomputed(layer):
@@ -210,6 +211,6 @@ def _regions(model: nn.Module, config: RecipeConfig, keep: _Filter) -> Step:
         return _off(name)
     n = compile_regions(model, module_filter_fn=keep)
     if not n:
-        return Step(name, False, "no decoder layer list found (or module_filter_fn leaves every layer out)")
+        return Step(name, False, _NO_LAYERS)
     return Step(name, True, f"{n} decoder layers: under a whole-model torch.compile each compiles on its own, one "
                             "graph for all (eagerly: no change)")
