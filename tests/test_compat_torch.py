@@ -385,7 +385,7 @@ def test_fp8_linear_on_the_emulated_gemm(monkeypatch):
 PRIVATE_ACCESS_PATTERNS = {
     "torch": r"torch\._(functorch|inductor|dynamo|C|prims|subclasses|higher_order_ops)|_aot_autograd"
              r"|sys\._getframe|torch\._scaled_mm\(|prims\.inductor_force_stride_order",
-    # issue 28's own check, over every dependency
+    # the check over every dependency
     "any": r"torch\._(functorch|inductor|dynamo|C|prims|subclasses|higher_order_ops)|_aot_autograd|sys\._getframe"
            r"|CompiledKernel|\._[A-Za-z]+__[a-z]",
 }

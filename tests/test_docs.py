@@ -1,6 +1,6 @@
 """Every ```python block of README.md and docs/*.md runs alone, as its text says to run it.
 
-The convention (issue 27): a ```python block is a whole program, with its own imports and
+The convention: a ```python block is a whole program, with its own imports and
 objects. The line directly above its fence ends with "run with `COMMAND`:", the command a
 reader types to run the block saved as the file it names, one of
 
@@ -299,7 +299,7 @@ def chain_errors(path: str) -> list[str]:
 
 @pytest.mark.parametrize("path", doc_files())
 def test_shell_commands_chain(path):
-    """A command that resumes a checkpoint or trains a saved plan follows the one that makes it (issue 27, 8)."""
+    """A command that resumes a checkpoint or trains a saved plan follows the one that makes it."""
     errors = chain_errors(path)
     assert not errors, "\n".join(errors)
 

@@ -250,7 +250,7 @@ def test_backward_reuses_the_weight_exponent(monkeypatch, backend):
 
 @pytest.mark.parametrize("execute", [True, False])
 def test_eager_call_dispatches_only_what_it_needs(execute):
-    """Host work per call (issue 30: small layers wait on the host). Eagerly a layer calls the
+    """Host work per call (small layers wait on the host). Eagerly a layer calls the
     Triton launchers itself, not through the custom op (whose dispatch costs host time and
     an empty tensor per absent output), and turns each exponent into a GEMM scale once: x's
     and the weight's in forward, kept for backward, and the output gradient's, read by both

@@ -87,7 +87,7 @@ class _LayerBytes:
     layer looked one hidden state larger and the head's transient one hidden state per layer
     smaller, which mispredicted mixed plans.
 
-    On for the whole session, not only the measured step: compiled layers guard on their
+    On for the whole run, not only the measured step: compiled layers guard on their
     hooks, so hooks added and removed around one step would recompile them twice per run."""
 
     def __init__(self, layers: list[nn.Module]):

@@ -2,7 +2,7 @@
 
 They pin the checkpoint formats: whatever the code becomes, a checkpoint written by an older
 coat_ds must keep loading. Written by commit a02c119 (main, before the optimizer state became
-one object, issue 28), torch 2.13 CPU, DeepSpeed 0.19.8; `checkpoints/MANIFEST.json` records
+one object), torch 2.13 CPU, DeepSpeed 0.19.8; `checkpoints/MANIFEST.json` records
 the commit and versions of the last run. Do not rewrite them with newer code unless the format
 changes on purpose: then add new fixtures beside these instead.
 
