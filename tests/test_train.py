@@ -16,10 +16,17 @@ from helpers import free_port, read_metrics, run_in_repo, run_killed_in_save
 DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
 
 
+# Each stage trains a model prepared by a recipe (coat_ds.prepare): at ZeRO-3 the fused head loss
+# inside the partitioned head's call; at ZeRO-2 every layer recomputed from FP8 inputs, with
+# the step in backward that only FSDP2 allows logged as off.
+RECIPES = {2: "max_memory", 3: "speed"}
+
+
 def _cmd(stage: int, *flags) -> list[str]:
     return [DEEPSPEED, "--num_accelerators", "2", "--master_port", str(free_port()), "train.py",
             "--deepspeed", f"ds_configs/coat_zero{stage}.json", "--config", "configs/tiny.yaml",
-            "--max-steps", "12", "--log-interval", "2", "--eval-interval", "6", "--save-interval", "6", *flags]
+            "--max-steps", "12", "--log-interval", "2", "--eval-interval", "6", "--save-interval", "6",
+            "--recipe", RECIPES[stage], *flags]
 
 
 def _run(stage: int, *flags) -> subprocess.CompletedProcess:
@@ -46,6 +53,9 @@ def test_train_py_coat_zero_killed_in_save_resumes(tmp_path, stage):
                              300, pidfile=pidfile if external else None, DS_ACCELERATOR="cpu",
                              COAT_DS_CKPT_FAULT=fault)
     assert "resolved config:" in out and "preset: tiny" in out
+    assert f"coat_ds.prepare(recipe='{RECIPES[stage]}') on coat_ds Llama:" in out
+    assert "  head_loss            applied" in out and "  fp8_linear           applied" in out
+    assert ("step in backward: OFF although recipe max_memory asks for it" in out) == (stage == 2)
     assert "attention: SDPA may use cuDNN's kernels (cudnn_attention)" in out  # the default, PyTorch's
     # A first run's alarming lines: DeepSpeed's ZeRO check knows CoatAdamW, and its deprecated
     # torch all-gather warns no rank.

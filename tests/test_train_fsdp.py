@@ -93,12 +93,15 @@ def test_train_py_fsdp1_adamw_baseline_with_activation_compression(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun not installed")
 def test_train_py_fsdp2_compiled_blocks_with_fp8_activations(tmp_path):
+    """recipe memory (FP8 linears, fused norms, the head loss, FP8 activations), eager and with
+    compiled blocks under FSDP2."""
     runs = {}
     for name, flags in (("eager", ()), ("compiled", ("--compile",))):
-        proc = _run(2, "--compress-activations", *flags, "--metrics-file", str(tmp_path / f"{name}.jsonl"))
+        proc = _run(2, "--recipe", "memory", *flags, "--metrics-file", str(tmp_path / f"{name}.jsonl"))
         assert "step 6/6 (100%)" in proc.stdout
         runs[name] = read_metrics(tmp_path / f"{name}.jsonl")
     assert "compile: true" in proc.stdout and "quantized inside the compiled blocks" in proc.stdout
+    assert "recipe: memory" in proc.stdout and "  compress_activations applied" in proc.stdout
     # Same data and initial weights; the compiled blocks quantize every saved value per group
     # (eager: linear inputs per tensor), so the losses agree closely, not bit for bit.
     for step in (2, 4, 6):
@@ -118,11 +121,23 @@ def test_flags_pick_the_fsdp_engine_and_its_options():
     assert train.parse_config([]).cudnn_attention and not train.parse_config(["--no-cudnn-attention"]).cudnn_attention
     with pytest.raises(SystemExit, match="fsdp_mode"):
         train.parse_config(["--fsdp", "--fsdp-mode", "fsdp3"])
-    # Compiled blocks: FSDP2 and ZeRO-1/2 take them; ZeRO-3 under DeepSpeed is refused by name.
+    # Compiled blocks under FSDP2 and every ZeRO stage (ZeRO-3: as leaves, compile_zero3_layers).
     assert train.parse_config(["--fsdp", "--compile", "--deepspeed", "ds_configs/coat_zero3.json"]).compile
     assert train.parse_config(["--compile", "--deepspeed", "ds_configs/coat_zero2.json"]).compile
-    # ZeRO-3 compiles its layers as leaves (coat_ds.integrations.deepspeed.compile_zero3_layers).
     assert train.parse_config(["--compile", "--deepspeed", "ds_configs/coat_zero3.json"]).compile
+    # Every recipe under either engine; max_memory steps in backward where FSDP2 allows it.
+    for recipe in ("speed", "memory", "max_memory"):
+        for engine in ([], ["--fsdp"], ["--fsdp", "--fsdp-mode", "fsdp1"]):
+            cfg = train.parse_config([*engine, "--recipe", recipe])
+            sib = recipe == "max_memory" and engine == ["--fsdp"]
+            assert cfg.recipe == recipe and cfg.step_in_backward == sib, (recipe, engine)
+            off = "step in backward: OFF although recipe max_memory asks for it"
+            assert (off in "\n".join(train.settings_lines(cfg))) == (recipe == "max_memory" and not sib)
+    refused = r"--fused-head-loss: fused_head_loss: got True \(bool\); allowed: off with recipe 'speed'"
+    with pytest.raises(SystemExit, match=refused):
+        train.parse_config(["--recipe", "speed", "--fused-head-loss"])
+    with pytest.raises(SystemExit, match="recipe: got 'fast'"):
+        train.parse_config(["--recipe", "fast"])
 
 
 def test_ds_json_settings_for_the_fsdp_engine(tmp_path):
