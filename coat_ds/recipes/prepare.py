@@ -8,6 +8,7 @@ edit as applied, with what it touched, or skipped, with why. Nothing is applied 
 prepared before is refused, since the hooks and recomputed layers cannot be stacked."""
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Callable
 
@@ -31,6 +32,7 @@ logger = logging.getLogger("coat_ds")
 _PREPARED = "_coat_prepared_recipe"
 _Filter = Callable[[nn.Module, str], bool]
 _NO_LAYERS = "no decoder layer list found (or module_filter_fn leaves every layer out)"
+_OFF = "off in this recipe"
 
 
 def prepare(model: nn.Module, recipe: str = "speed", *, module_filter_fn: _Filter | None = None,
@@ -85,8 +87,17 @@ def _kind(model: nn.Module) -> str:
     return f"a {type(model).__name__} module"
 
 
-def _off(name: str) -> Step:
-    return Step(name, False, "off in this recipe")
+def _edit(name: str):
+    """Make `fn(model, config, keep) -> (applied, detail)` the recipe's edit `name`: skipped as
+    "off in this recipe" where the config field of that name is unset."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def run(model: nn.Module, config: RecipeConfig, keep: _Filter) -> Step:
+            if not getattr(config, name):
+                return Step(name, False, _OFF)
+            return Step(name, *fn(model, config, keep))
+        return run
+    return wrap
 
 
 def _head(model: nn.Module) -> tuple[str, nn.Module] | None:
@@ -96,72 +107,60 @@ def _head(model: nn.Module) -> tuple[str, nn.Module] | None:
     return next(((fqn, m) for fqn, m in model.named_modules() if m is head), None)
 
 
-def _head_loss(model: nn.Module, config: RecipeConfig, keep: _Filter) -> Step:
-    name = "head_loss"
-    if not config.head_loss:
-        return _off(name)
+@_edit("head_loss")
+def _head_loss(model: nn.Module, config: RecipeConfig, keep: _Filter) -> tuple[bool, str]:
     head = _head(model)
     if head is not None and not keep(head[1], head[0]):
-        return Step(name, False, f"module_filter_fn leaves the head ({head[0]}) out")
+        return False, f"module_filter_fn leaves the head ({head[0]}) out"
     try:
         fuse_lm_head_loss(model, chunk_tokens=config.head_loss_chunk_tokens)
     except TypeError as e:  # not a model it knows: its message says which are
-        return Step(name, False, str(e).removeprefix("fuse_lm_head_loss: "))
+        return False, str(e).removeprefix("fuse_lm_head_loss: ")
     chunk = config.head_loss_chunk_tokens
-    return Step(name, True, f"{head[0]}: the loss in chunks of {chunk if chunk else 'about 256 MiB of'} "
-                            f"{'tokens' if chunk else 'logits'}, never the full logits")
+    return True, (f"{head[0]}: the loss in chunks of {chunk if chunk else 'about 256 MiB of'} "
+                  f"{'tokens' if chunk else 'logits'}, never the full logits")
 
 
-def _fp8_linear(model: nn.Module, config: RecipeConfig, keep: _Filter) -> Step:
-    name = "fp8_linear"
-    if config.fp8_linear is None:
-        return _off(name)
+@_edit("fp8_linear")
+def _fp8_linear(model: nn.Module, config: RecipeConfig, keep: _Filter) -> tuple[bool, str]:
     head = _head(model)
     before = {id(m) for m in model.modules() if isinstance(m, Fp8Linear)}
     convert_to_fp8_linear(model, config=config.fp8_linear,
                           module_filter_fn=lambda m, fqn: keep(m, fqn) and (head is None or m is not head[1]))
     converted = sum(1 for m in model.modules() if isinstance(m, Fp8Linear) and id(m) not in before)
     linears = [m for m in model.modules() if type(m) is nn.Linear or isinstance(m, LossHead)]
+    left = f"{len(linears)} left as they are (the head, dims not multiples of 16, module_filter_fn)"
     if not converted:
         others = sorted({type(m).__name__ for m in model.modules() if type(m).__name__ in ("Conv1D",)})
         why = f"its projections are {', '.join(others)}, not nn.Linear" if others else "no nn.Linear to convert"
-        return Step(name, False, why + (f" ({len(linears)} left as they are: the head, dims not multiples of 16, "
-                                        "or module_filter_fn)" if linears else ""))
+        return False, why + (f" ({left})" if linears else "")
     p = next(model.parameters(), None)
     device = p.device if p is not None else torch.device("cpu")
     fp8 = config.fp8_linear.fp8_gemm
     path = ("GEMMs in FP8" if fp8 == "on" or (fp8 == "auto" and fp8_gemm_available(device)) else
             f"GEMMs in the input's precision (fp8_gemm={fp8!r}; {device} has no FP8 GEMMs), the input saved in FP8")
-    left = f", {len(linears)} left as they are (the head, dims not multiples of 16, module_filter_fn)" if linears else ""
-    return Step(name, True, f"{converted} nn.Linear -> Fp8Linear{left}; on {device}: {path}")
+    return True, f"{converted} nn.Linear -> Fp8Linear{', ' + left if linears else ''}; on {device}: {path}"
 
 
-def _fuse_norms(model: nn.Module, config: RecipeConfig, keep: _Filter) -> Step:
-    name = "fuse_norms"
-    if not config.fuse_norms:
-        return _off(name)
+@_edit("fuse_norms")
+def _fuse_norms(model: nn.Module, config: RecipeConfig, keep: _Filter) -> tuple[bool, str]:
     fused = fuse_rms_norms(model, config=config.fp8_linear, module_filter_fn=keep)
-    norms = sorted({type(m).__name__ for m in model.modules()
-                    if type(m).__name__.endswith("Norm") and not type(m).__name__.startswith("Fused")})
+    norms = ", ".join(sorted({type(m).__name__ for m in model.modules()
+                              if type(m).__name__.endswith("Norm") and not type(m).__name__.startswith("Fused")}))
     if not fused:
-        return Step(name, False, "no RMSNorm of either known order" + (f" ({', '.join(norms)} left as they are)"
-                                                                        if norms else ""))
-    rest = f"; {', '.join(norms)} left as they are" if norms else ""
-    return Step(name, True, f"{fused} RMSNorm modules in one kernel each way (eager; compiled, their own code)"
-                            f"{rest}")
+        return False, "no RMSNorm of either known order" + (f" ({norms} left as they are)" if norms else "")
+    rest = f"; {norms} left as they are" if norms else ""
+    return True, f"{fused} RMSNorm modules in one kernel each way (eager; compiled, their own code){rest}"
 
 
-def _fuse_swiglu(model: nn.Module, config: RecipeConfig, keep: _Filter) -> Step:
-    name = "fuse_swiglu"
-    if not config.fuse_swiglu:
-        return _off(name)
+@_edit("fuse_swiglu")
+def _fuse_swiglu(model: nn.Module, config: RecipeConfig, keep: _Filter) -> tuple[bool, str]:
     fused = fuse_swiglu(model, config=config.fp8_linear, module_filter_fn=keep)
     if not fused:
         gated = any(all(hasattr(m, p) for p in ("gate_proj", "up_proj", "down_proj")) for m in model.modules())
-        return Step(name, False, "its gated MLPs' activation is not SiLU (see the coat_ds.linear log)" if gated else
-                    "no gated MLP (gate_proj, up_proj, down_proj, act_fn) found")
-    return Step(name, True, f"{fused} SwiGLU MLPs: silu(gate) * up in one kernel each way (eager; compiled, "
-                            "their own code)")
+        return False, ("its gated MLPs' activation is not SiLU (see the coat_ds.linear log)" if gated else
+                       "no gated MLP (gate_proj, up_proj, down_proj, act_fn) found")
+    return True, f"{fused} SwiGLU MLPs: silu(gate) * up in one kernel each way (eager; compiled, their own code)"
 
 
 def _layers(model: nn.Module, keep: _Filter) -> list[tuple[str, nn.Module]]:
@@ -173,10 +172,12 @@ def _layers(model: nn.Module, keep: _Filter) -> list[tuple[str, nn.Module]]:
 
 def _compress(model: nn.Module, config: RecipeConfig, keep: _Filter,
               filtered: bool) -> tuple[ActivationCompression | None, Step]:
-    name = "compress_activations"
-    if config.compress_activations is None:
-        return None, _off(name)
-    layers = _layers(model, keep) if filtered else []
+    """The compression step and its handle: the whole model, or with a filter the decoder
+    layers it accepts (the model as a whole where it has none)."""
+    name, c = "compress_activations", config.compress_activations
+    layers = _layers(model, keep) if filtered and c is not None else []
+    if c is None:
+        return None, Step(name, False, _OFF)
     if not filtered or (not layers and keep(model, "")):
         regions, where = None, "the whole model"
     elif not layers:
@@ -184,33 +185,27 @@ def _compress(model: nn.Module, config: RecipeConfig, keep: _Filter,
     else:
         chosen = {fqn for fqn, _ in layers}
         regions, where = (lambda m, fqn: fqn in chosen), f"{len(chosen)} decoder layers"
-    handle = compress_activations(model, config=config.compress_activations, module_filter_fn=regions)
-    c = config.compress_activations
+    handle = compress_activations(model, config=c, module_filter_fn=regions)
     return handle, Step(name, True, f"{where}: linear inputs in {c.linear_input_format} per tensor, other saved "
                                     f"tensors in {c.other_format} per group of {c.group_size}")
 
 
-def _recompute(model: nn.Module, config: RecipeConfig, keep: _Filter) -> Step:
-    name = "recompute"
-    if not config.recompute:
-        return _off(name)
+@_edit("recompute")
+def _recompute(model: nn.Module, config: RecipeConfig, keep: _Filter) -> tuple[bool, str]:
     layers = _layers(model, keep)
     if not layers:
-        return Step(name, False, _NO_LAYERS)
+        return False, _NO_LAYERS
     fp8_input = config.compress_activations or RecipeConfig.named("memory").compress_activations
     for _, layer in layers:
         if not is_recomputed(layer):
             layer.forward = recomputed(layer.forward, fp8_input=fp8_input)
-    return Step(name, True, f"{len(layers)} decoder layers recomputed in backward from their input kept as "
-                            f"{fp8_input.other_format} codes (compile them with coat_ds.plan.compile_layer)")
+    return True, (f"{len(layers)} decoder layers recomputed in backward from their input kept as "
+                  f"{fp8_input.other_format} codes (compile them with coat_ds.plan.compile_layer)")
 
 
-def _regions(model: nn.Module, config: RecipeConfig, keep: _Filter) -> Step:
-    name = "compile_regions"
-    if not config.compile_regions:
-        return _off(name)
+@_edit("compile_regions")
+def _regions(model: nn.Module, config: RecipeConfig, keep: _Filter) -> tuple[bool, str]:
     n = compile_regions(model, module_filter_fn=keep)
     if not n:
-        return Step(name, False, _NO_LAYERS)
-    return Step(name, True, f"{n} decoder layers: under a whole-model torch.compile each compiles on its own, one "
-                            "graph for all (eagerly: no change)")
+        return False, _NO_LAYERS
+    return True, f"{n} decoder layers: under a whole-model torch.compile each compiles on its own, one graph for all"
