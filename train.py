@@ -45,7 +45,7 @@ from coat_ds.integrations.deepspeed.engine import comm_op_build_note, single_pro
 from coat_ds.integrations.deepspeed.zero3 import compile_zero3_layers
 from coat_ds.train.metrics import MetricsLog
 from coat_ds.models.llama import Llama, model_config
-from coat_ds.train.config import TrainConfig, checkpoint_plan, parse_config, recipe_step_in_backward_refusal
+from coat_ds.train.config import TrainConfig, checkpoint_plan, parse_config, step_in_backward_refusal
 from coat_ds.optim import nonfinite_groups
 from coat_ds.plan import apply_plan, compile_layer
 from coat_ds.train.planning import plan_for_run, run_apply_config
@@ -280,7 +280,7 @@ def step_in_backward_note(cfg: TrainConfig) -> str | None:
     if not cfg.step_in_backward:
         if cfg.recipe != "max_memory":
             return None
-        why = recipe_step_in_backward_refusal(cfg, read_ds_settings(cfg.deepspeed, 1, engine=cfg.engine))
+        why = step_in_backward_refusal(cfg, read_ds_settings(cfg.deepspeed, 1, engine=cfg.engine))
         return f"step in backward: OFF although recipe max_memory asks for it: {why}"
     clip = gradient_clipping(load_ds_config(cfg.deepspeed))
     if clip:
@@ -359,6 +359,7 @@ def train(cfg: TrainConfig) -> None:
     with torch.device(train_device()):
         model = Llama(mcfg)
     say(f"data: {data.description}\nmodel: {cfg.preset}, {mcfg.num_params() / 1e6:.2f}M params", flush=True)
+    ds = read_ds_settings(cfg.deepspeed, world, engine=cfg.engine)
     fp8_config = Fp8LinearConfig(keep_weight_codes=cfg.fp8_keep_weight_codes)
     # Model edits on the unsharded modules, before either engine wraps them; the handle counts bytes.
     if cfg.recipe:
@@ -374,8 +375,7 @@ def train(cfg: TrainConfig) -> None:
         activations = compress_activations(model) if cfg.compress_activations else None
     if cfg.plan or cfg.memory_budget_gb:
         # Per block: keep, FP8-compress, FP8 linears or recompute; a budget is planned here, on rank 0.
-        plan = plan_for_run(cfg, model, read_ds_settings(cfg.deepspeed, world, engine=cfg.engine),
-                            say=lambda s: say(s, flush=True))
+        plan = plan_for_run(cfg, model, ds, say=lambda s: say(s, flush=True))
         say(plan.summary() + "\n" + "\n".join(f"  {fqn}: {c}" for fqn, c in plan.layers), flush=True)
         activations = apply_plan(model, plan, config=run_apply_config(cfg)).activations
         if plan.compile_memory_budget is not None and not cfg.compile:
@@ -385,7 +385,7 @@ def train(cfg: TrainConfig) -> None:
         # Block by block, in place and before the engine wraps them (as torchtitan does):
         # the engines' hooks stay outside the graphs, and one graph serves every block.
         # ZeRO-3 hooks every submodule: its blocks become leaves, their forwards compiled.
-        if cfg.engine == "deepspeed" and read_ds_settings(cfg.deepspeed, world, engine=cfg.engine).zero_stage == 3:
+        if cfg.engine == "deepspeed" and ds.zero_stage == 3:
             compile_zero3_layers(model)
         else:
             for block in model.blocks:

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..activation import compress_activations
 from ..activation.api import ActivationCompression
-from ..config import RecipeConfig
+from ..config import ActivationConfig, RecipeConfig
 from ..linear import Fp8Linear, convert_to_fp8_linear, fp8_gemm_available, fuse_rms_norms, fuse_swiglu
 from ..loss import fuse_lm_head_loss
 from ..loss.fuse import LossHead, hf_causal_lm_class
@@ -175,9 +175,9 @@ def _compress(model: nn.Module, config: RecipeConfig, keep: _Filter,
     """The compression step and its handle: the whole model, or with a filter the decoder
     layers it accepts (the model as a whole where it has none)."""
     name, c = "compress_activations", config.compress_activations
-    layers = _layers(model, keep) if filtered and c is not None else []
     if c is None:
         return None, Step(name, False, _OFF)
+    layers = _layers(model, keep) if filtered else []
     if not filtered or (not layers and keep(model, "")):
         regions, where = None, "the whole model"
     elif not layers:
@@ -195,7 +195,7 @@ def _recompute(model: nn.Module, config: RecipeConfig, keep: _Filter) -> tuple[b
     layers = _layers(model, keep)
     if not layers:
         return False, _NO_LAYERS
-    fp8_input = config.compress_activations or RecipeConfig.named("memory").compress_activations
+    fp8_input = config.compress_activations or ActivationConfig()
     for _, layer in layers:
         if not is_recomputed(layer):
             layer.forward = recomputed(layer.forward, fp8_input=fp8_input)

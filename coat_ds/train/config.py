@@ -25,7 +25,7 @@ from ..models.llama import PRESETS
 from ..config.shipped import find_ds_config, find_train_preset
 
 __all__ = ["TrainConfig", "ENGINE_NAMES", "parse_config", "build_parser", "checkpoint_plan", "field_docs",
-           "recipe_step_in_backward_refusal"]
+           "step_in_backward_refusal"]
 
 ENGINE_NAMES = ("deepspeed", "fsdp")
 _FSDP_MODES = ("fsdp2", "fsdp1")
@@ -242,38 +242,33 @@ def parse_config(argv: list[str], description: str | None = None) -> TrainConfig
 
 def _resolve_step_in_backward(cfg: TrainConfig, ds, origin: str) -> TrainConfig:
     """`step_in_backward` on when the YAML/flag or the JSON's `optimizer.params` says so (the
-    resolved config then shows it), refused where CoatAdamW cannot step in backward."""
+    resolved config then shows it), refused where CoatAdamW cannot step in backward; recipe
+    max_memory turns it on where it can."""
     in_json = ds.optimizer_params.get("step_in_backward") is True
+    why = step_in_backward_refusal(cfg, ds)
     if not (cfg.step_in_backward or in_json):
-        if cfg.recipe == "max_memory" and recipe_step_in_backward_refusal(cfg, ds) is None:
-            return dataclasses.replace(cfg, step_in_backward=True)
-        return cfg
-    where = f"{cfg.deepspeed} (optimizer.params.step_in_backward)" if in_json else origin
-    if ds.optimizer_type != "CoatAdamW":
-        raise SystemExit(f"{where}: step_in_backward needs CoatAdamW; {cfg.deepspeed} names optimizer.type "
-                         f"{ds.optimizer_type!r}")
-    if cfg.engine == "deepspeed":
-        raise SystemExit(f"{where}: step_in_backward is not supported by the DeepSpeed engine: ZeRO copies each "
-                         "gradient into its own buckets and reduces it after the parameter's hook, the one point "
-                         "where CoatAdamW could step; use --fsdp (FSDP2)")
-    if cfg.fsdp_mode == "fsdp1":
-        raise SystemExit(f"{where}: step_in_backward is not supported with --fsdp-mode fsdp1: FSDP1 reduces "
-                         "gradients after the parameter's hook fires, so each rank would step its own gradient; "
-                         "use --fsdp-mode fsdp2 (its hook fires after reduce-scatter)")
-    if "max_grad_norm" in ds.optimizer_params:
-        raise SystemExit(f"{cfg.deepspeed}: optimizer.params.max_grad_norm: not read by train.py; its "
-                         "gradient_clipping sets the clipping of both engines")
+        return dataclasses.replace(cfg, step_in_backward=True) if cfg.recipe == "max_memory" and not why else cfg
+    if why:
+        where = f"{cfg.deepspeed} (optimizer.params.step_in_backward)" if in_json else origin
+        raise SystemExit(f"{where}: {why}")
     return dataclasses.replace(cfg, step_in_backward=True)
 
 
-def recipe_step_in_backward_refusal(cfg: TrainConfig, ds) -> str | None:
-    """Why recipe max_memory's step in backward does not apply to this run, or None."""
+def step_in_backward_refusal(cfg: TrainConfig, ds) -> str | None:
+    """Why CoatAdamW cannot step in backward in this run (`ds`: its read_ds_settings), or None."""
     if ds.optimizer_type != "CoatAdamW":
-        return f"the optimizer is {ds.optimizer_type}, not CoatAdamW"
-    if cfg.engine != "fsdp" or cfg.fsdp_mode != "fsdp2":
-        return "only FSDP2 (--fsdp) hands CoatAdamW each gradient as backward makes it"
+        return f"step_in_backward needs CoatAdamW; {cfg.deepspeed} names optimizer.type {ds.optimizer_type!r}"
+    if cfg.engine == "deepspeed":
+        return ("step_in_backward is not supported by the DeepSpeed engine: ZeRO copies each gradient into its own "
+                "buckets and reduces it after the parameter's hook, the one point where CoatAdamW could step; use "
+                "--fsdp (FSDP2)")
+    if cfg.fsdp_mode == "fsdp1":
+        return ("step_in_backward is not supported with --fsdp-mode fsdp1: FSDP1 reduces gradients after the "
+                "parameter's hook fires, so each rank would step its own gradient; use --fsdp-mode fsdp2 (its hook "
+                "fires after reduce-scatter)")
     if "max_grad_norm" in ds.optimizer_params:
-        return "the JSON sets optimizer.params.max_grad_norm, which train.py does not read"
+        return (f"optimizer.params.max_grad_norm in {cfg.deepspeed}: not read by train.py; its gradient_clipping "
+                "sets the clipping of both engines")
     return None
 
 
