@@ -207,6 +207,21 @@ def add_common(ap: argparse.ArgumentParser, ab: bool = True) -> None:
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
 
 
+def ngpu() -> int:
+    """Ranks a multi-GPU script starts: NGPU, else every GPU, else one (a CPU run)."""
+    return int(os.environ.get("NGPU") or 0) or torch.cuda.device_count() or 1
+
+
+def launch(cmd: list[str], log: str, limit: float, env: dict | None = None) -> int:
+    """Run `cmd` from the repository root with its output in `log`; its exit code, 124 past `limit` s."""
+    with open(log, "w") as f:
+        try:
+            return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=limit, cwd=ROOT,
+                                  env=env).returncode
+        except subprocess.TimeoutExpired:
+            return 124
+
+
 def header() -> str:
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     return f"# {dev}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, coat_ds from {TREE}"

@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,10 +26,6 @@ import _common as C
 import torch
 
 LR = 3e-4
-
-
-def ngpu() -> int:
-    return int(os.environ.get("NGPU") or 0) or torch.cuda.device_count() or 1
 
 
 # -- workers (one per rank, started by torchrun) ----------------------------------------------
@@ -179,18 +173,13 @@ def worker(kind: str, spec_json: str) -> None:
 def run_side(args, side: str, port: int) -> dict:
     spec = {"side": side, "shape": args.shape, "seq": args.seq, "micro": args.micro, "steps": args.steps,
             "warmup": args.warmup, "recipe": args.recipe, "stage": args.stage}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ngpu()), "--master_port", str(port),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(C.ngpu()), "--master_port", str(port),
            __file__, "--worker", args.cmd, json.dumps(spec)]
     log = os.path.join(args.out, f"{args.cmd}_{side}.log")
     # Compiled sides log every recompilation: the reason a first step takes long.
     env = {**os.environ, "TORCH_LOGS": "recompiles"} if side.endswith("_compiled") else None
     t0 = time.time()
-    with open(log, "w") as f:
-        try:
-            code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.limit, cwd=C.ROOT,
-                                  env=env).returncode
-        except subprocess.TimeoutExpired:
-            code = 124
+    code = C.launch(cmd, log, args.limit, env)
     found = [line for line in open(log) if line.startswith("RESULT ")]
     print(f"{side}: exit {code} in {time.time() - t0:.0f} s", flush=True)
     if code != 0 or not found:
@@ -200,7 +189,7 @@ def run_side(args, side: str, port: int) -> dict:
 
 def table(args, rows: list[dict]) -> list[str]:
     what = (f"Trainer + DeepSpeed ZeRO-{args.stage}" if args.cmd == "trainer" else "Accelerate + FSDP2 plugin")
-    lines = [f"{what}, HF Llama {args.shape}, micro-batch {args.micro} x seq {args.seq}, {ngpu()} ranks, "
+    lines = [f"{what}, HF Llama {args.shape}, micro-batch {args.micro} x seq {args.seq}, {C.ngpu()} ranks, "
              f"coat = prepare(recipe={args.recipe!r}); step: mean after {args.warmup} steps",
              "| side | step ms | tokens/s | vs bf16 | first step s | vs bf16 | peak GB / rank | vs bf16 | "
              "loss (logged) first -> last |", "|---|---|---|---|---|---|---|---|---|"]
@@ -244,7 +233,7 @@ def main(argv=None) -> None:
         ap.error("accelerate: eager sides only")
     args.out = os.path.abspath(args.out or os.path.join("runs", "clients"))
     os.makedirs(args.out, exist_ok=True)
-    print(C.header() + f", {ngpu()} ranks", flush=True)
+    print(C.header() + f", {C.ngpu()} ranks", flush=True)
     from coat_ds.integrations.deepspeed.engine import free_port
 
     rows = [run_side(args, side, free_port()) for side in args.sides]

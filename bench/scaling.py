@@ -34,26 +34,12 @@ import glob
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 import _common as C
 import torch
-
-
-def launch(cmd: list[str], log: str, limit: float, env: dict | None = None) -> int:
-    with open(log, "w") as f:
-        try:
-            return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=limit, cwd=C.ROOT,
-                                  env=env).returncode
-        except subprocess.TimeoutExpired:
-            return 124
-
-
-def ngpu() -> int:
-    return int(os.environ.get("NGPU") or 0) or torch.cuda.device_count() or 1
 
 
 def with_micro_batch(name: str, micro: int, tag: str = "", edit=None) -> str:
@@ -71,12 +57,12 @@ def with_micro_batch(name: str, micro: int, tag: str = "", edit=None) -> str:
 def run_deepspeed(args) -> list[str]:
     data = ["--data", token_file(32000, args.tokens), "--bin-dtype", "uint16"] if args.tokens else []
     for name in args.configs:
-        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ngpu()), "--master_port", "29512",
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(C.ngpu()), "--master_port", "29512",
                "train.py", "--deepspeed", with_micro_batch(name, args.micro), "--config", args.model_config,
                "--max-steps", str(args.steps), "--seq-len", str(args.seq), *data,
                "--metrics-file", os.path.join(args.out, f"{name}.jsonl"), *args.flags.split(),
                *(args.coat_flags.split() if name.startswith("coat_") else [])]
-        print(f"{name}: exit {launch(cmd, os.path.join(args.out, name + '.log'), args.limit)}", flush=True)
+        print(f"{name}: exit {C.launch(cmd, os.path.join(args.out, name + '.log'), args.limit)}", flush=True)
     return summary(args.out)
 
 
@@ -106,18 +92,18 @@ def run_compile(args) -> list[str]:
              "coat_compiled": ("coat", ["--compress-activations", "--compile"])}
     for name in args.runs:
         side, extra = flags[name]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ngpu()), "train.py", "--fsdp",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(C.ngpu()), "train.py", "--fsdp",
                "--deepspeed", with_micro_batch(f"{side}_zero3", args.mb), "--preset", args.preset,
                "--seq-len", str(args.seq), "--max-steps", str(args.steps), "--warmup-steps", "2", "--log-interval", "2",
                "--eval-interval", "0", "--eval-batches", "1", "--metrics-file", os.path.join(args.out, name + ".jsonl"), *extra]
-        print(f"{name}: exit {launch(cmd, os.path.join(args.out, name + '.log'), args.limit)}", flush=True)
+        print(f"{name}: exit {C.launch(cmd, os.path.join(args.out, name + '.log'), args.limit)}", flush=True)
     last = {}
     for name in args.runs:
         path = os.path.join(args.out, name + ".jsonl")
         logs = [m for m in map(json.loads, open(path)) if "tokens_per_s" in m] if os.path.isfile(path) else []
         last[name] = logs[-1] if logs else None
     base = (last.get("bf16_eager") or {}).get("tokens_per_s")
-    lines = [f"{args.preset}, FSDP2 on {ngpu()} GPUs, micro-batch {args.mb} per GPU",
+    lines = [f"{args.preset}, FSDP2 on {C.ngpu()} GPUs, micro-batch {args.mb} per GPU",
              "| run | tokens/s (last window) | vs bf16 eager | peak mem GB | loss at last step |", "|---|---|---|---|---|"]
     for name, m in last.items():
         lines.append(f"| {name} | failed | | | |" if m is None else f"| {name} | {m['tokens_per_s']:,.0f} | "
@@ -130,17 +116,17 @@ def run_profile(args) -> list[str]:
     for run in args.runs:
         out, model, engine = os.path.join(args.out, run), run[1:].split("_")[0], run.split("_")[1]
         if run.startswith("train"):
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ngpu()), "train.py", "--fsdp",
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(C.ngpu()), "train.py", "--fsdp",
                    "--deepspeed", "ds_configs/coat_zero3.json", "--preset", run[5:].split("_")[0], "--seq-len",
                    str(args.seq), "--max-steps", str(args.steps), "--warmup-steps", "2", "--log-interval", "2",
                    "--eval-interval", "0", "--eval-batches", "1", "--compress-activations"]
         else:
             cmd = [sys.executable, "-m", "coat_ds.profile", "--model", model, "--seq-len", str(args.seq), "--engine",
-                   "fsdp" if engine == "fsdp2" else "deepspeed", "--nproc", str(ngpu()), "--config",
+                   "fsdp" if engine == "fsdp2" else "deepspeed", "--nproc", str(C.ngpu()), "--config",
                    "ds_configs/coat_zero3.json", "--baseline", "ds_configs/bf16_zero3.json", "--max-batch", "64",
                    "--throughput-steps", "2", "--out", out]
         t0 = time.time()
-        print(f"{run}: exit {launch(cmd, out + '.log', args.limit)} ({time.time() - t0:.0f} s)", flush=True)
+        print(f"{run}: exit {C.launch(cmd, out + '.log', args.limit)} ({time.time() - t0:.0f} s)", flush=True)
     lines = ["| run | side | measured total @ b=2 (GB/rank) | opt states | act/sample | max micro-batch | tokens/s |",
              "|---|---|---|---|---|---|---|"]
     for path in sorted(glob.glob(os.path.join(args.out, "*", "profile.json"))):
@@ -282,7 +268,7 @@ def run_fit(args) -> list[str]:
             # A plan chooses each layer's treatment itself (a recomputed layer runs BF16 GEMMs).
             flags = [f for f in FIT_SIDES[side]
                      if not (args.recompute and f in ("--compress-activations", "--fp8-linear"))]
-            code = launch([*launcher, *common, *flags], os.path.join(args.out, name + ".log"), args.limit, env)
+            code = C.launch([*launcher, *common, *flags], os.path.join(args.out, name + ".log"), args.limit, env)
             logs = [m for m in map(json.loads, open(metrics)) if "tokens_per_s" in m] if os.path.isfile(metrics) else []
             print(f"{name}: exit {code}, {len(logs)} logged steps ({time.time() - t0:.0f} s)", flush=True)
             if code != 0 or not logs:
@@ -358,7 +344,7 @@ def main(argv=None) -> None:
         return print("\n".join(summary(args.folder)))
     args.out = os.path.abspath(args.out or os.path.join("runs", args.cmd))
     os.makedirs(args.out, exist_ok=True)
-    print(C.header() + f", {ngpu()} GPUs", flush=True)
+    print(C.header() + f", {C.ngpu()} GPUs", flush=True)
     run = {"deepspeed": run_deepspeed, "compile": run_compile, "profile": run_profile, "fsdp-memory": fsdp_memory,
            "fit": run_fit}
     lines = run[args.cmd](args)
