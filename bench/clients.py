@@ -4,6 +4,7 @@ every GPU of the machine, each side in a launch of its own (`NGPU` ranks):
 
     bash bench/device_env.sh python bench/clients.py trainer --stage 2 --sides bf16 coat bf16_compiled coat_compiled
     bash bench/device_env.sh python bench/clients.py accelerate --sides bf16 coat
+    bash bench/device_env.sh python bench/clients.py trainer --sides bf16 coat --trace   # + where the GPU waits
     DS_ACCELERATOR=cpu NGPU=2 python bench/clients.py trainer --shape tiny --seq 64 --micro 2 --steps 4   # CPU
 
 bf16: the model as built, trained in BF16 (Trainer's bf16=True, DeepSpeed's bf16 section; FSDP2's
@@ -12,7 +13,9 @@ coat: coat_ds.prepare(model, --recipe) first, and CoatAdamW (named in the JSON u
 `_compiled`: Trainer's torch_compile=True. Each run reports the mean step after --warmup steps,
 tokens/s, the time from train() (or the first forward) to the end of the first step, and the
 peak memory of the largest rank; the table, last, gives ratios against the bf16 side of the
-same mode."""
+same mode. `--trace`: rank 0 also records the TRACE_STEPS steps after the timed window with
+torch.profiler, and the driver prints each side's kernel categories and idle gaps
+(bench/trace_gaps.py)."""
 from __future__ import annotations
 
 import argparse
@@ -66,11 +69,43 @@ class Clock:
         self.stamps.append(time.perf_counter())
 
 
+TRACE_STEPS = 2
+
+
+class Tracer:
+    """Rank 0's profiler over the TRACE_STEPS steps after the timed window (`spec["trace"]`: the
+    chrome trace's path), so that the timing stays untraced."""
+
+    def __init__(self, spec: dict):
+        rank0 = int(os.environ.get("RANK", 0)) == 0
+        self.path, self.first, self.prof = spec.get("trace"), spec["steps"], None
+        if not (self.path and rank0):
+            self.first = None
+
+    def step_begin(self, done: int) -> None:
+        if done == self.first:
+            acts = [torch.profiler.ProfilerActivity.CPU] + (
+                [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self.prof = torch.profiler.profile(activities=acts)
+            self.prof.start()
+
+    def step_end(self, done: int) -> None:
+        if self.prof is not None and done == self.first + TRACE_STEPS:
+            C.sync()
+            self.prof.stop()
+            self.prof.export_chrome_trace(self.path)
+            self.prof = None
+
+
+def steps_run(spec: dict) -> int:
+    return spec["steps"] + (TRACE_STEPS if spec.get("trace") else 0)
+
+
 def _result(spec: dict, clock: Clock, losses: list[float], report: str) -> dict:
     """The rank-0 record of a run."""
     import torch.distributed as dist
 
-    stamps = clock.stamps
+    stamps = clock.stamps[:spec["steps"]]
     step = (stamps[-1] - stamps[spec["warmup"] - 1]) / (len(stamps) - spec["warmup"])
     peak = torch.tensor(float(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else 0.0,
                         device="cuda" if torch.cuda.is_available() else "cpu")
@@ -104,17 +139,21 @@ def trainer_worker(spec: dict) -> dict:
     coat_ds.register_deepspeed()
     model, report = _model(spec, dev)
     world = int(os.environ.get("WORLD_SIZE", 1))
-    ids = _tokens(spec, spec["micro"] * world * (spec["steps"] + 1))
+    ids = _tokens(spec, spec["micro"] * world * (steps_run(spec) + 1))
     rows = [{"input_ids": r, "labels": r} for r in ids]
-    clock = Clock(spec)
+    clock, tracer = Clock(spec), Tracer(spec)
 
     class StepEnd(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            tracer.step_begin(state.global_step)
+
         def on_step_end(self, args, state, control, **kwargs):
             clock.step_end()
+            tracer.step_end(state.global_step)
 
     # Losses logged at the window's edges only: a logged loss waits for the GPU.
     args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=spec["micro"],
-                             max_steps=spec["steps"], learning_rate=LR, weight_decay=0.1, adam_beta2=0.95,
+                             max_steps=steps_run(spec), learning_rate=LR, weight_decay=0.1, adam_beta2=0.95,
                              bf16=torch.cuda.is_available(), torch_compile=spec["side"].endswith("_compiled"),
                              deepspeed=ds_config(spec), logging_steps=spec["warmup"], save_strategy="no",
                              report_to=[], disable_tqdm=True, seed=0)
@@ -143,9 +182,10 @@ def accelerate_worker(spec: dict) -> dict:
     extra = {} if opt_cls is coat_ds.CoatAdamW else {"fused": True}
     optimizer = opt_cls(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1, **extra)
     model, optimizer = accelerator.prepare(model, optimizer)
-    ids = _tokens(spec, spec["micro"] * accelerator.num_processes * spec["steps"]).to(dev)
-    clock, losses = Clock(spec), []
-    for step in range(spec["steps"]):
+    ids = _tokens(spec, spec["micro"] * accelerator.num_processes * steps_run(spec)).to(dev)
+    clock, tracer, losses = Clock(spec), Tracer(spec), []
+    for step in range(steps_run(spec)):
+        tracer.step_begin(step)
         lo = (step * accelerator.num_processes + accelerator.process_index) * spec["micro"]
         batch = ids[lo:lo + spec["micro"]]
         loss = model(input_ids=batch, labels=batch).loss
@@ -154,7 +194,8 @@ def accelerate_worker(spec: dict) -> dict:
         optimizer.zero_grad()
         losses.append(loss.detach())
         clock.step_end()
-    return _result(spec, clock, [v.item() for v in losses[::spec["warmup"]]], report)
+        tracer.step_end(step + 1)
+    return _result(spec, clock, [v.item() for v in losses[:spec["steps"]:spec["warmup"]]], report)
 
 
 def worker(kind: str, spec_json: str) -> None:
@@ -172,7 +213,8 @@ def worker(kind: str, spec_json: str) -> None:
 
 def run_side(args, side: str, port: int) -> dict:
     spec = {"side": side, "shape": args.shape, "seq": args.seq, "micro": args.micro, "steps": args.steps,
-            "warmup": args.warmup, "recipe": args.recipe, "stage": args.stage}
+            "warmup": args.warmup, "recipe": args.recipe, "stage": args.stage,
+            "trace": os.path.join(args.out, f"{args.cmd}_{side}.json.gz") if args.trace else None}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(C.ngpu()), "--master_port", str(port),
            __file__, "--worker", args.cmd, json.dumps(spec)]
     log = os.path.join(args.out, f"{args.cmd}_{side}.log")
@@ -227,6 +269,8 @@ def main(argv=None) -> None:
     ap.add_argument("--recipe", default="speed", choices=["speed", "memory", "max_memory"])
     ap.add_argument("--stage", type=int, default=2, choices=[1, 2, 3], help="trainer: the ZeRO stage")
     ap.add_argument("--limit", type=float, default=400, help="seconds per side")
+    ap.add_argument("--trace", action="store_true", help="rank 0's profiler trace of the steps after the window, "
+                    "and its kernel categories and idle gaps printed")
     ap.add_argument("--out", default=None, help="folder for the logs and the table (default runs/clients)")
     args = ap.parse_args(argv)
     if args.cmd == "accelerate" and any(s.endswith("_compiled") for s in args.sides):
@@ -237,6 +281,13 @@ def main(argv=None) -> None:
     from coat_ds.integrations.deepspeed.engine import free_port
 
     rows = [run_side(args, side, free_port()) for side in args.sides]
+    if args.trace:
+        from trace_gaps import gaps
+
+        for side in args.sides:
+            path = os.path.join(args.out, f"{args.cmd}_{side}.json.gz")
+            if os.path.exists(path):
+                print(f"\n{side}: {TRACE_STEPS} steps traced\n" + "\n".join(gaps(path, 12)), flush=True)
     for r in rows:
         if r.get("report"):
             print(r["report"])

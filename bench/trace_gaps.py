@@ -21,6 +21,8 @@ def gaps(path: str, top: int, min_us: float = 5.0) -> list[str]:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
     gpu = sorted((e["ts"], e["ts"] + e["dur"], e["name"], e.get("args", {}).get("correlation"))
                  for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    if not gpu:
+        return [f"{path}: no GPU kernels in the trace (a CPU run)"]
     launches = {e["args"]["correlation"]: e for e in events  # Triton launches through the driver API
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     ops = collections.defaultdict(list)
