@@ -121,14 +121,28 @@ def ds_config(spec: dict) -> dict:
     auto = {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}
     optimizer = ({"type": "CoatAdamW", "params": auto} if spec["side"].startswith("coat") else
                  {"type": "AdamW", "params": {**auto, "torch_adam": True, "fused": torch.cuda.is_available()}})
-    # Hugging Face's documented ZeRO-2/3 sections: gradients reduced in buckets while backward runs.
+    # Hugging Face's documented ZeRO-2/3 sections (gradients reduced in buckets while backward
+    # runs), but DeepSpeed's own reduce_bucket_size (5e8): Trainer's "auto" (hidden_size^2) makes
+    # a bucket per weight matrix, and DeepSpeed's host work per bucket then outlasts coat's backward
+    # (docs/huggingface.md); --ds-set zero_optimization.reduce_bucket_size='"auto"' puts it back.
     zero = {"stage": spec["stage"], "overlap_comm": True, "contiguous_gradients": True,
-            "reduce_bucket_size": "auto", **({"stage3_prefetch_bucket_size": "auto",
-                                              "stage3_param_persistence_threshold": "auto"}
-                                             if spec["stage"] == 3 else {"allgather_bucket_size": 2e8})}
-    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-            "gradient_clipping": "auto", "bf16": {"enabled": "auto"}, "zero_optimization": zero,
-            "optimizer": optimizer, "steps_per_print": 10**9, "zero_allow_untested_optimizer": True}
+            **({"stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"}
+               if spec["stage"] == 3 else {"allgather_bucket_size": 2e8})}
+    # DeepSpeed's per-step overflow check off on both sides (CoatAdamW then skips a step whose
+    # global norm is not finite on the device; torch AdamW does not skip): the check reads a
+    # flag back from the GPU after several kernels per gradient tensor.
+    config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+              "gradient_clipping": "auto", "bf16": {"enabled": "auto", "check_grad_overflow": False},
+              "zero_optimization": zero,
+              "optimizer": optimizer, "steps_per_print": 10**9, "zero_allow_untested_optimizer": True}
+    for setting in spec.get("ds_set") or []:
+        key, _, value = setting.partition("=")
+        *path, last = key.split(".")
+        node = config
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = json.loads(value)
+    return config
 
 
 def trainer_worker(spec: dict) -> dict:
@@ -214,7 +228,7 @@ def worker(kind: str, spec_json: str) -> None:
 def run_side(args, side: str, port: int) -> dict:
     spec = {"side": side, "shape": args.shape, "seq": args.seq, "micro": args.micro, "steps": args.steps,
             "warmup": args.warmup, "recipe": args.recipe, "stage": args.stage,
-            "trace": os.path.join(args.out, f"{args.cmd}_{side}.json.gz") if args.trace else None}
+            "ds_set": args.ds_set, "trace": os.path.join(args.out, f"{args.cmd}_{side}.json.gz") if args.trace else None}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(C.ngpu()), "--master_port", str(port),
            __file__, "--worker", args.cmd, json.dumps(spec)]
     log = os.path.join(args.out, f"{args.cmd}_{side}.log")
@@ -230,7 +244,7 @@ def run_side(args, side: str, port: int) -> dict:
 
 
 def table(args, rows: list[dict]) -> list[str]:
-    what = (f"Trainer + DeepSpeed ZeRO-{args.stage}" if args.cmd == "trainer" else "Accelerate + FSDP2 plugin")
+    what = (f"Trainer + DeepSpeed ZeRO-{args.stage}{' (' + ', '.join(args.ds_set) + ')' if args.ds_set else ''}" if args.cmd == "trainer" else "Accelerate + FSDP2 plugin")
     lines = [f"{what}, HF Llama {args.shape}, micro-batch {args.micro} x seq {args.seq}, {C.ngpu()} ranks, "
              f"coat = prepare(recipe={args.recipe!r}); step: mean after {args.warmup} steps",
              "| side | step ms | tokens/s | vs bf16 | first step s | vs bf16 | peak GB / rank | vs bf16 | "
@@ -269,6 +283,8 @@ def main(argv=None) -> None:
     ap.add_argument("--recipe", default="speed", choices=["speed", "memory", "max_memory"])
     ap.add_argument("--stage", type=int, default=2, choices=[1, 2, 3], help="trainer: the ZeRO stage")
     ap.add_argument("--limit", type=float, default=400, help="seconds per side")
+    ap.add_argument("--ds-set", nargs="+", default=[], metavar="KEY=JSON",
+                    help="trainer: settings of the DeepSpeed JSON on every side, e.g. zero_optimization.reduce_bucket_size=5e8")
     ap.add_argument("--trace", action="store_true", help="rank 0's profiler trace of the steps after the window, "
                     "and its kernel categories and idle gaps printed")
     ap.add_argument("--out", default=None, help="folder for the logs and the table (default runs/clients)")

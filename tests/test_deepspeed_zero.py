@@ -44,13 +44,24 @@ def ds_config(stage: int, grad_accum: int = 1, offload: bool = False, check_grad
 
 # -- worker side ------------------------------------------------------------------------------
 
-def _engine(stage: int, grad_accum: int = 1, offload: bool = False, check_grad_overflow: bool | None = None):
+def _engine(stage: int, grad_accum: int = 1, offload: bool = False, check_grad_overflow: bool | None = None,
+            deepspeeds_own: bool = False):
+    """coat_ds's initialize, or (`deepspeeds_own`) DeepSpeed's after register_deepspeed(), as
+    Hugging Face Trainer and Accelerate call it."""
+    import deepspeed
+
+    import coat_ds
     from coat_ds.integrations.deepspeed.engine import initialize
     from coat_ds.models.llama import Llama, model_config
 
     torch.manual_seed(0)
     model = Llama(model_config("tiny", max_seq_len=32))
-    engine, *_ = initialize(model=model, config=ds_config(stage, grad_accum, offload, check_grad_overflow))
+    config = ds_config(stage, grad_accum, offload, check_grad_overflow)
+    if deepspeeds_own:
+        coat_ds.register_deepspeed()
+        engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    else:
+        engine, *_ = initialize(model=model, config=config)
     return engine
 
 
@@ -158,12 +169,14 @@ def overflow_runs(data, out: str) -> None:
     inf at OVERFLOW_STEP (after averaging it lands in rank 0's partition only): with
     DeepSpeed's overflow check (`check_grad_overflow: true`); as configured by default, with
     CoatAdamW skipping by the global norm instead; the same with that skip turned off (each
-    rank steps on what it holds)."""
+    rank steps on what it holds); and through DeepSpeed's own initialize with the check off in
+    the JSON, where register_deepspeed's hook sets up the same skip at the first step."""
     from coat_ds.integrations.deepspeed.engine import coat_optimizer
 
     result = {}
-    for name, check, gate in (("checked", True, True), ("on_device", None, True), ("ungated", None, False)):
-        engine = _engine(2, check_grad_overflow=check)
+    for name, check, gate, own in (("checked", True, True, False), ("on_device", None, True, False),
+                                   ("ungated", None, False, False), ("registered", False, True, True)):
+        engine = _engine(2, check_grad_overflow=check, deepspeeds_own=own)
         opt = coat_optimizer(engine)
         result[f"{name}_gated"] = opt._global_norm is not None
         if not gate:
@@ -184,7 +197,8 @@ def overflow_runs(data, out: str) -> None:
             losses += _train(engine, data, range(step, step + 1), [engine.global_rank])
         part = engine.optimizer.single_partition_of_fp32_groups[0]
         result[name] = {"losses": losses, "skipped_steps": engine.skipped_steps, "global_steps": engine.global_steps,
-                        "nonfinite_groups": opt.nonfinite_groups(), "groups": -(-part.numel() // 128)}
+                        "nonfinite_groups": opt.nonfinite_groups(), "groups": -(-part.numel() // 128),
+                        "gated_after": opt._global_norm is not None}
         torch.save({"param": part.detach().clone(), "state": {k: v.clone() for k, v in opt.state[part].items()}},
                    os.path.join(out, f"overflow_{name}_rank{engine.global_rank}.pt"))
     with open(os.path.join(out, f"overflow_rank{torch.distributed.get_rank()}.json"), "w") as f:
@@ -339,6 +353,10 @@ def test_zero2_without_deepspeeds_overflow_check_coat_skips_the_whole_step(runs)
     for rank in range(2):
         r = json.load(open(runs.out / f"overflow_rank{rank}.json"))
         assert not r["checked_gated"] and r["on_device_gated"]
+        # DeepSpeed's own initialize (Trainer's, Accelerate's): no skip until the first step's hook.
+        assert not r["registered_gated"] and r["registered"]["gated_after"]
+        assert r["registered"]["losses"] == r["on_device"]["losses"]
+        assert r["registered"]["nonfinite_groups"] == r["on_device"]["nonfinite_groups"]
         checked, on_device = r["checked"], r["on_device"]
         assert checked["skipped_steps"] == 1 and checked["nonfinite_groups"] == 0
         # DeepSpeed no longer knows of the skip; CoatAdamW counts every group of this rank once.
@@ -346,7 +364,10 @@ def test_zero2_without_deepspeeds_overflow_check_coat_skips_the_whole_step(runs)
         assert all(map(math.isfinite, on_device["losses"])), on_device["losses"]
         for got, want in zip(on_device["losses"], checked["losses"]):
             assert abs(got - want) <= 1e-3 * abs(want), (on_device["losses"], checked["losses"])
-        a, b, c = (torch.load(runs.out / f"overflow_{n}_rank{rank}.pt") for n in ("checked", "on_device", "ungated"))
+        a, b, c, d = (torch.load(runs.out / f"overflow_{n}_rank{rank}.pt")
+                      for n in ("checked", "on_device", "ungated", "registered"))
+        assert torch.equal(d["param"], b["param"])
+        assert all(torch.equal(d["state"][k], v) for k, v in b["state"].items())
         torch.testing.assert_close(b["param"], a["param"], rtol=1e-5, atol=1e-6)
         # The skipped step is counted in CoatAdamW's step and in each group's skips, which
         # its bias correction subtracts, not in DeepSpeed.

@@ -17,6 +17,7 @@ import importlib.util
 import inspect
 import os
 import re
+import sys
 
 import torch
 
@@ -25,7 +26,7 @@ from . import warn_once
 __all__ = ["CHECKED", "DeepSpeedInternalsError", "installed_version", "known_config_words", "zero_tested",
            "mark_zero_tested", "ZeroLayout", "zero_layout", "set_full_fp32_param", "fp32_partitions",
            "refresh_lp_params", "zero3_param_groups_filled", "release_zero3_references", "zero3_partitioned", "comm_op_build",
-           "unchecked_overflow_norm"]
+           "unchecked_overflow_norm", "stepping_zero_optimizer"]
 
 CHECKED = "0.19.8"
 
@@ -251,6 +252,23 @@ def unchecked_overflow_norm(zopt):
                   "non-finite gradient; CoatAdamW leaves only the groups whose own gradient is not finite unchanged")
         return None
     return lambda: zopt._global_grad_norm
+
+
+def stepping_zero_optimizer(optimizer, frames: int = 8):
+    """The DeepSpeed ZeRO optimizer whose `step()` is calling `optimizer.step()` right now, or
+    None. DeepSpeed keeps no link from the optimizer it wraps back to the wrapper (0.19.8:
+    `DeepSpeedZeroOptimizer._optimizer_step` calls `self.optimizer.step()`), so the caller's
+    frames are searched for a `self` whose `optimizer` is this one. Call it from inside that
+    step (an optimizer step pre-hook)."""
+    frame = sys._getframe(1)
+    for _ in range(frames):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if owner is not None and owner is not optimizer and getattr(owner, "optimizer", None) is optimizer:
+            return owner
+        frame = frame.f_back
+    return None
 
 
 @torch.no_grad()

@@ -16,7 +16,11 @@ does the same for a `DummyOptim` of the user's.
 """
 from __future__ import annotations
 
+import logging
+import weakref
+
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..._compat import deepspeed as ds_compat
 from ...optim import CoatAdamW
@@ -27,18 +31,53 @@ NAME = "CoatAdamW"
 
 
 def register_deepspeed() -> None:
-    """Add exactly two things, both idempotent: the attribute `torch.optim.CoatAdamW` (the class
+    """Add three things, each idempotent: the attribute `torch.optim.CoatAdamW` (the class
     `coat_ds.CoatAdamW` itself, which DeepSpeed looks up by name and calls with the JSON's
-    `optimizer.params`), and `coat_ds.CoatAdamW` to DeepSpeed's list
+    `optimizer.params`); `coat_ds.CoatAdamW` in DeepSpeed's list
     `deepspeed.runtime.zero.utils.ZERO_SUPPORTED_OPTIMIZERS` (so ZeRO needs no
-    `zero_allow_untested_optimizer`). Nothing else in torch or DeepSpeed changes.
+    `zero_allow_untested_optimizer`); and an optimizer step pre-hook that, at each CoatAdamW's
+    first step inside a ZeRO-1/2 engine whose JSON sets `"bf16": {"check_grad_overflow":
+    false}`, has it skip a step whose global gradient norm is not finite, on the device, as
+    `coat_ds.integrations.deepspeed.initialize` arranges (see `_skip_on_device`). Nothing else
+    in torch or DeepSpeed changes.
 
     Raises RuntimeError if `torch.optim.CoatAdamW` already names something else."""
+    global _hook
     existing = getattr(torch.optim, NAME, None)
     if existing is not None and existing is not CoatAdamW:
         raise RuntimeError(f"torch.optim.{NAME} is already set to {existing!r}; not replacing it")
     setattr(torch.optim, NAME, CoatAdamW)
     mark_zero_tested()
+    if _hook is None:
+        _hook = register_optimizer_step_pre_hook(_skip_on_device)
+
+
+_hook = None
+_seen: "weakref.WeakSet[CoatAdamW]" = weakref.WeakSet()
+
+
+def _skip_on_device(optimizer, args, kwargs) -> None:
+    """At a CoatAdamW's first step: where the ZeRO-1/2 optimizer stepping it was told not to
+    check gradients for overflow, CoatAdamW skips a step with a non-finite global norm itself
+    (CoatAdamW.skip_steps_by_global_norm). DeepSpeed's check reads a flag back from the GPU
+    every step after several kernels per gradient tensor; with the check off and no skip, a
+    step whose norm overflowed would clip every gradient to NaN or zero and step on it. Hugging
+    Face Trainer and Accelerate build the engine with DeepSpeed's own initialize, so this is
+    where their runs get what coat_ds's initialize sets up at once."""
+    if not isinstance(optimizer, CoatAdamW) or optimizer in _seen:
+        return None
+    _seen.add(optimizer)
+    if optimizer.step_in_backward or optimizer._global_norm is not None:
+        return None
+    zopt = ds_compat.stepping_zero_optimizer(optimizer)
+    norm = None if zopt is None else ds_compat.unchecked_overflow_norm(zopt)
+    if norm is not None:
+        optimizer.skip_steps_by_global_norm(norm)
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            logging.getLogger("coat_ds").warning(
+                "coat_ds: bf16.check_grad_overflow is false: CoatAdamW skips a step whose global gradient norm is not "
+                "finite, on the device, in place of DeepSpeed's overflow check")
+    return None
 
 
 def mark_zero_tested() -> None:
