@@ -83,33 +83,41 @@ class RankWatchdog:
         if not isinstance(error, Exception):
             self.stop()
             return
-        since = time.monotonic()
-        deadline = since + self.timeout_s + 2 * self.interval
-        while time.monotonic() < deadline and not self.stopped.is_set():
-            if all(r in self.done or changed > since for r, (_, changed) in self.seen.items()):
-                break  # every other rank is alive: the failure is this rank's own
+        # Every other rank alive means a beat of each after this first read; else the thread
+        # finds the silent one first and ends the process.
+        _, base = self._read()
+        deadline = time.monotonic() + self.timeout_s + 2 * self.interval
+        while time.monotonic() < deadline:
             time.sleep(self.interval / 2)
-        with self.lock:
-            failure = self.store.get(_FAILED).decode() if self.store.check([_FAILED]) else None
-        if failure:  # another rank failed first, and this one's error followed from it
-            self._end(_failed_rank(failure))
+            failure, counts = self._read()
+            if failure and not failure.startswith(f"rank {self.rank}:"):
+                self._end(_failed_rank(failure))  # another rank failed first; this one's error followed
+            if all(c > b or c >= _DONE for r, (c, b) in enumerate(zip(counts, base)) if r != self.rank):
+                break
         first = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
         with self.lock:
             self.store.compare_set(_FAILED, "", f"rank {self.rank}: {first[:500]}")
-        self.stopped.set()
+        self.stop()
+
+    def _read(self, beat: bool = False) -> tuple[str | None, list[int]]:
+        """(the failure a rank reported or None, every rank's heartbeat count), after a beat of
+        this rank's with `beat`. Ends the process if the store does not answer, unless this rank
+        has finished (the store's holder may end first then)."""
+        try:
+            with self.lock:
+                if beat:
+                    self.store.add(self.keys[self.rank], 1)
+                failure = self.store.get(_FAILED).decode() if self.store.check([_FAILED]) else None
+                return failure, [int(v) for v in self.store.multi_get(self.keys)]
+        except Exception as e:  # noqa: BLE001 (any error of the store's client: it is gone)
+            if self.finished or self.stopped.is_set():
+                raise SystemExit from None  # ends the thread; the main thread goes on
+            self._end(f"the rendezvous store at {self.address} stopped answering ({type(e).__name__}); the process "
+                      "that held it, rank 0's (or the launcher's agent under torchrun), is gone")
 
     def _run(self) -> None:
         while not self.stopped.wait(self.interval):
-            try:
-                with self.lock:
-                    self.store.add(self.keys[self.rank], 1)
-                    failure = self.store.get(_FAILED).decode() if self.store.check([_FAILED]) else None
-                    counts = [int(v) for v in self.store.multi_get(self.keys)]
-            except Exception as e:  # noqa: BLE001 (any error of the store's client: it is gone)
-                if self.finished or self.stopped.is_set():
-                    return  # the store's holder may end first once every rank has finished
-                self._end(f"the rendezvous store at {self.address} stopped answering ({type(e).__name__}); the process "
-                          "that held it, rank 0's (or the launcher's agent under torchrun), is gone")
+            failure, counts = self._read(beat=True)
             if failure and not failure.startswith(f"rank {self.rank}:"):
                 self._end(_failed_rank(failure))
             now = time.monotonic()
