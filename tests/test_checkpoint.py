@@ -126,6 +126,8 @@ def test_save_into_an_unwritable_folder_fails_naming_it_and_keeps_the_last_check
                                                   "Operation not permitted).*the checkpoints saved before it are "
                                                   "untouched"):
             _save(save, "step4", 4)
+        with pytest.raises(CheckpointError, match=f"cannot save checkpoints in {save}: (EACCES|EPERM)"):
+            check_new_checkpoints(save, ["step4"])  # what train.py checks before its first step
         found = find_checkpoint(save)  # verified against its record
     assert found.path == str(save / "step2") and (save / "step2" / "data.bin").read_bytes() == b"x" * 100
     assert sorted(os.listdir(save)) == [LATEST, "step2"] and (save / LATEST).read_text() == "step2"

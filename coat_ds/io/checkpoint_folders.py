@@ -36,6 +36,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 import time
 import zipfile
 from dataclasses import dataclass
@@ -351,8 +352,14 @@ def report_skipped(found: Found) -> None:
 
 
 def check_new_checkpoints(save_dir: str | os.PathLike, names: list[str]) -> None:
-    """Fail, naming them, if checkpoints a run is about to write already exist in `save_dir`
-    (before training: a save never modifies an existing checkpoint)."""
+    """Fail before training if `save_dir` cannot be written in, or, naming them, if checkpoints
+    a run is about to write already exist there (a save never modifies an existing checkpoint)."""
+    try:
+        os.makedirs(save_dir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=save_dir):
+            pass
+    except OSError as e:
+        raise CheckpointError(f"cannot save checkpoints in {os.fspath(save_dir)}: {write_error(e)}") from e
     taken = [n for n in names if os.path.lexists(os.path.join(os.fspath(save_dir), n))]
     if taken:
         raise FileExistsError(f"{os.fspath(save_dir)} already holds {', '.join(taken)}, which this run would save "

@@ -38,7 +38,7 @@ __all__ = ["is_corpus", "list_corpus", "split_files", "files_fingerprint", "defa
 
 FORMAT = "coat_ds.corpus/1"
 _MAGIC = "*?["
-_BATCH_BYTES = 16 << 20  # text handed to the tokenizer at once
+_BATCH_BYTES = 8 << 20  # text handed to the tokenizer at once (its threads share it out by file)
 _TORCH_DTYPE = {"B": torch.uint8, "H": torch.uint16, "I": torch.uint32}
 
 
@@ -199,21 +199,21 @@ def _tokenize_split(root: str, rels: list[str], tok, typecode: str, out: str, pr
 
 
 class _Progress:
-    """A log line each time another 5% of the corpus's bytes (at least 16 MB) is tokenised."""
+    """A log line at most every `every_s` seconds while a corpus is tokenised."""
 
-    def __init__(self, n_files: int, total_bytes: int, log: Callable[[str], None]):
-        self.n_files, self.total, self.log = n_files, total_bytes, log
+    def __init__(self, n_files: int, total_bytes: int, log: Callable[[str], None], every_s: float = 10.0):
+        self.n_files, self.total, self.log, self.every_s = n_files, total_bytes, log, every_s
         self.files = self.bytes = self.tokens = 0
-        self.every = max(self.total // 20, 16 << 20)
-        self.next, self.t0 = self.every, time.perf_counter()
+        self.t0 = self.last = time.perf_counter()
 
     def __call__(self, files: int, nbytes: int, tokens: int) -> None:
         self.files, self.bytes, self.tokens = self.files + files, self.bytes + nbytes, self.tokens + tokens
-        if self.bytes >= self.next:
-            self.next += self.every
-            dt = time.perf_counter() - self.t0
+        now = time.perf_counter()
+        if now - self.last >= self.every_s:
+            self.last = now
             self.log(f"corpus: tokenised {self.files:,}/{self.n_files:,} files, {self.bytes / 1e6:,.0f}/"
-                     f"{self.total / 1e6:,.0f} MB, {self.tokens:,} tokens ({self.bytes / 1e6 / dt:.1f} MB/s)")
+                     f"{self.total / 1e6:,.0f} MB, {self.tokens:,} tokens ({self.bytes / 1e6 / (now - self.t0):.1f} "
+                     "MB/s)")
 
 
 def prepare_corpus(cfg, log: Callable[[str], None] = print) -> tuple[str, dict]:
