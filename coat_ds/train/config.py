@@ -69,7 +69,7 @@ class TrainConfig:
     trace: str = ""  # a torch.profiler trace (Chrome JSON, .json.gz) of 3 steps after trace_after, rank 0's ("": none)
     trace_after: int = 10  # steps run before the trace starts (compilation and warm-up stay out of it)
     # engine
-    dist_timeout_s: int = 300  # process-group timeout: a collective that waits longer fails the run (torch: 10 min NCCL, 30 min gloo; DeepSpeed: 10 min)
+    dist_timeout_s: int = 300  # process-group timeout, seconds: a collective that waits longer fails the run (docs/train_faults.md)
     heartbeat_timeout_s: int = 60  # a rank silent this long is gone: the others end at once, naming it and the checkpoint to resume (0: off)
     engine: str = "deepspeed"  # what sets the model up: "deepspeed" or "fsdp" (same as --fsdp)
     deepspeed: str = "ds_configs/coat_zero2.json"  # DeepSpeed JSON: optimizer, batches, clipping, BF16 (both engines)

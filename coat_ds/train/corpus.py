@@ -34,7 +34,7 @@ from ..io.atomic import atomic_write
 from .tokenizer import BYTE_VOCAB, encode_texts, id_typecode, load_bpe, train_bpe
 
 __all__ = ["is_corpus", "list_corpus", "split_files", "files_fingerprint", "default_cache_dir", "corpus_folder",
-           "prepare_corpus", "open_corpus", "describe", "FORMAT"]
+           "prepare_corpus", "open_corpus", "corpus_description", "FORMAT"]
 
 FORMAT = "coat_ds.corpus/1"
 _MAGIC = "*?["
@@ -288,7 +288,7 @@ def open_corpus(folder: str, meta: dict) -> tuple[torch.Tensor, torch.Tensor]:
                                  size=meta["splits"][name]["tokens"], dtype=dtype) for name in ("train", "val"))
 
 
-def describe(meta: dict, folder: str) -> str:
+def corpus_description(meta: dict, folder: str) -> str:
     """The corpus's size and split, for train.py's log."""
     s = meta["splits"]
     files = sum(c["files"] for c in s.values())

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from .corpus import default_cache_dir, describe, is_corpus, open_corpus, prepare_corpus
+from .corpus import corpus_description, default_cache_dir, is_corpus, open_corpus, prepare_corpus
 
 __all__ = ["DataConfig", "TokenData", "load_data", "stdlib_corpus", "batch_seed"]
 
@@ -136,7 +136,7 @@ def load_data(cfg: DataConfig, log: Callable[[str], None] = print) -> TokenData:
     if is_corpus(cfg.source):
         folder, meta = prepare_corpus(cfg, log)
         train, val = open_corpus(folder, meta)
-        return TokenData(train, val, meta["vocab_size"], describe(meta, folder))
+        return TokenData(train, val, meta["vocab_size"], corpus_description(meta, folder))
     if not os.path.isfile(cfg.source):
         raise FileNotFoundError(f"data source not found: {cfg.source} (use 'stdlib', a text file, a .bin, a directory "
                                 "or a glob)")

@@ -54,12 +54,12 @@ def id_typecode(vocab_size: int) -> str:
 
 
 def encode_texts(tok, texts: list[bytes], typecode: str) -> array:
-    """The ids of `texts` (file contents), one after another: their bytes with `tok` None,
-    else `tok`'s ids, each file closed by `<|endoftext|>`."""
+    """The ids of `texts` (file contents), one after another: with `tok` None their bytes (of
+    typecode "B"), else `tok`'s ids, each file closed by `<|endoftext|>`."""
     out = array(typecode)
-    if tok is None:
+    if tok is None:  # bytes: typecode "B"
         for t in texts:
-            out.frombytes(t) if typecode == "B" else out.extend(t)
+            out.frombytes(t)
         return out
     eot = tok.token_to_id(END_OF_TEXT)
     # encode_batch_fast spreads the files over the cores (no offsets computed).

@@ -50,20 +50,15 @@ class RankWatchdog:
         self.store = dist.PrefixStore(f"coat_ds/heartbeat/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/",
                                       store)
         self.keys = [f"rank{r}" for r in range(self.world)]
-        for key in self.keys:  # every key exists from here on: multi_get would wait for a missing one
-            self.store.add(key, 0)
+        for r, key in enumerate(self.keys):  # every key exists from here on: multi_get would wait for a missing one
+            self.store.add(key, int(r == self.rank))  # this rank's first beat
         self.lock = threading.Lock()
         self.seen = {r: (None, time.monotonic()) for r in range(self.world) if r != self.rank}
         self.done = set()
         self.finished = False
         self.stopped = threading.Event()
-        self.beat()
         self.thread = threading.Thread(target=self._run, name="coat_ds-rank-watchdog", daemon=True)
         self.thread.start()
-
-    def beat(self) -> None:
-        with self.lock:
-            self.store.add(self.keys[self.rank], 1)
 
     def finish(self) -> None:
         """This rank's run ended well: the others stop watching it."""
@@ -148,8 +143,8 @@ def _failed_rank(failure: str) -> str:
 
 def start_watchdog(timeout_s: float, hint: Callable[[], str]) -> RankWatchdog | None:
     """A started RankWatchdog, or None where there is nothing to watch (one rank, or
-    `timeout_s` 0)."""
-    if timeout_s <= 0 or not dist.is_initialized() or dist.get_world_size() == 1:
+    `timeout_s` 0) or no rendezvous store to watch through (no MASTER_ADDR:MASTER_PORT)."""
+    if timeout_s <= 0 or not dist.is_initialized() or dist.get_world_size() == 1 or "MASTER_PORT" not in os.environ:
         return None
     return RankWatchdog(timeout_s, hint)
 
