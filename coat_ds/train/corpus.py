@@ -44,7 +44,7 @@ _TORCH_DTYPE = {"B": torch.uint8, "H": torch.uint16, "I": torch.uint32}
 
 def is_corpus(source: str) -> bool:
     """A directory or a glob pattern (not "stdlib", a text file or a .bin)."""
-    return os.path.isdir(source) or any(c in source for c in _MAGIC)
+    return source != "stdlib" and (os.path.isdir(source) or any(c in source for c in _MAGIC))
 
 
 def list_corpus(source: str) -> tuple[str, list[str]]:
