@@ -131,7 +131,7 @@ def test_bpe_trains_on_the_train_split_round_trips_and_is_reused(tmp_path):
     assert torch.equal(rebuilt.train, d.train)  # the same files, the same BPE
 
 
-def test_config_checks_and_the_model_vocabulary_follows_the_tokenizer(tmp_path):
+def test_config_checks_the_corpus_and_fault_settings(tmp_path):
     sys.path.insert(0, ROOT)
     import train
 
