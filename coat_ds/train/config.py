@@ -150,8 +150,8 @@ class TrainConfig:
                               "per block")
 
 
-_CHOICES = {"preset": tuple(PRESETS), "bin_dtype": _BIN_DTYPES, "tokenizer": _TOKENIZERS, "engine": ENGINE_NAMES, "fsdp_mode": _FSDP_MODES,
-            "recipe": RECIPES}
+_CHOICES = {"preset": tuple(PRESETS), "bin_dtype": _BIN_DTYPES, "tokenizer": _TOKENIZERS, "engine": ENGINE_NAMES,
+            "fsdp_mode": _FSDP_MODES, "recipe": RECIPES}
 
 
 def field_docs(cls) -> dict[str, str]:
