@@ -49,7 +49,7 @@ from .atomic import atomic_write, fsync_dir, remove_stale_temps
 from .safe_load import CheckpointError, load_dcp_metadata
 
 __all__ = ["RECORD", "LATEST", "FORMAT", "Found", "staged_save", "find_checkpoint", "staging_path", "read_record",
-           "check_new_checkpoints", "check_files", "skipped_message", "report_skipped", "write_error"]
+           "check_new_checkpoints", "check_files", "skipped_message", "report_skipped"]
 
 RECORD = "coat_ds_checkpoint.json"  # completion record, written last inside each checkpoint folder
 LATEST = "latest"  # save_dir/latest: the newest complete checkpoint's name (DeepSpeed's convention)
@@ -139,7 +139,7 @@ def staged_save(final: str | os.PathLike, step: int, engine: str = "",
                 shutil.rmtree(staging, ignore_errors=True)  # the leftover of a save that died
                 os.makedirs(staging)
             except OSError as e:
-                problem = (CheckpointError, f"cannot save {final}: cannot create {staging}: {write_error(e)}; the "
+                problem = (CheckpointError, f"cannot save {final}: cannot create {staging}: {_write_error(e)}; the "
                                             "checkpoints saved before it are untouched")
     problem = _from_rank0(problem)
     if problem:
@@ -157,7 +157,7 @@ def staged_save(final: str | os.PathLike, step: int, engine: str = "",
         free = shutil.disk_usage(os.path.dirname(final)).free
         if rank == 0:  # every rank has stopped writing: the partial files only take space now
             shutil.rmtree(staging, ignore_errors=True)
-        cause = f": {write_error(error)}" if error is not None else f" (this is rank {rank}: it wrote its part)"
+        cause = f": {_write_error(error)}" if error is not None else f" (this is rank {rank}: it wrote its part)"
         raise CheckpointError(f"saving {final} failed on rank(s) {failed}{cause}; {final} was not created and the "
                               f"partial save {staging} was removed ({free:,} bytes were free there); the checkpoints "
                               "saved before it are untouched") from error
@@ -174,7 +174,7 @@ def staged_save(final: str | os.PathLike, step: int, engine: str = "",
     _barrier()  # no rank goes on (or loads) before the checkpoint is visible
 
 
-def write_error(error: BaseException) -> str:
+def _write_error(error: BaseException) -> str:
     """What went wrong in a failed write, for one line: the first OSError found in `error`, its
     cause or context, or (DCP's CheckpointException) the exceptions of its ranks, as its errno
     name, message and file; else the error's first line."""
@@ -359,7 +359,7 @@ def check_new_checkpoints(save_dir: str | os.PathLike, names: list[str]) -> None
         with tempfile.TemporaryFile(dir=save_dir):
             pass
     except OSError as e:
-        raise CheckpointError(f"cannot save checkpoints in {os.fspath(save_dir)}: {write_error(e)}") from e
+        raise CheckpointError(f"cannot save checkpoints in {os.fspath(save_dir)}: {_write_error(e)}") from e
     taken = [n for n in names if os.path.lexists(os.path.join(os.fspath(save_dir), n))]
     if taken:
         raise FileExistsError(f"{os.fspath(save_dir)} already holds {', '.join(taken)}, which this run would save "
