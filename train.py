@@ -29,6 +29,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Callable
 
 import torch
@@ -37,7 +38,8 @@ import yaml
 
 from coat_ds import Fp8LinearConfig, compress_activations, convert_to_fp8_linear, fuse_lm_head_loss, prepare
 from coat_ds.io.checkpoint_folders import check_new_checkpoints, read_record
-from coat_ds.train.data import DataConfig, TokenData, batch_seed, load_data
+from coat_ds.io.safe_load import CheckpointError
+from coat_ds.train.data import TokenData, batch_seed, load_data
 from coat_ds.integrations.deepspeed.config import gradient_clipping, load_ds_config
 from coat_ds.integrations.process_group import shutdown_distributed
 from coat_ds.train.engine_setup import clipping_off_note, read_ds_settings
@@ -45,10 +47,11 @@ from coat_ds.integrations.deepspeed.engine import comm_op_build_note, single_pro
 from coat_ds.integrations.deepspeed.zero3 import compile_zero3_layers
 from coat_ds.train.metrics import MetricsLog
 from coat_ds.models.llama import Llama, model_config
-from coat_ds.train.config import TrainConfig, checkpoint_plan, parse_config, step_in_backward_refusal
+from coat_ds.train.config import TrainConfig, checkpoint_plan, data_config, parse_config, step_in_backward_refusal
 from coat_ds.optim import nonfinite_groups
 from coat_ds.plan import apply_plan, compile_layer
 from coat_ds.train.planning import plan_for_run, run_apply_config
+from coat_ds.train.watchdog import resume_hint, start_watchdog
 
 
 def will_save(cfg: TrainConfig, step: int) -> bool:
@@ -178,22 +181,22 @@ def train_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def init_fsdp_distributed() -> None:
+def init_fsdp_distributed(timeout: timedelta) -> None:
     """One process per GPU (NCCL) or CPU process (gloo), launched by torchrun; a plain
     `python train.py --fsdp` runs as a group of one (see `launch_env`)."""
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
 
 
-def init_deepspeed_distributed() -> None:
+def init_deepspeed_distributed(timeout: timedelta) -> None:
     import deepspeed
 
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if os.environ.get("LOCAL_RANK", "0") == "0":  # one line per machine: the ranks there share the build
         say_before_group(comm_op_build_note())
-    deepspeed.init_distributed()
+    deepspeed.init_distributed(timeout=timeout)
 
 
 def say_before_group(line: str | None) -> None:
@@ -349,9 +352,9 @@ def train(cfg: TrainConfig) -> None:
     torch.backends.cuda.enable_cudnn_sdp(cfg.cudnn_attention)
     say(f"attention: SDPA {'may use' if cfg.cudnn_attention else 'without'} cuDNN's kernels (cudnn_attention)",
         flush=True)
-    data_cfg = DataConfig(cfg.data, cfg.bin_dtype, cfg.val_fraction, cfg.max_data_bytes)
+    data_cfg = data_config(cfg)
     say(f"loading data: {data_cfg.describe()}", flush=True)
-    data = load_data(data_cfg)
+    data = load_data(data_cfg, log=lambda line: print(line, flush=True))  # a corpus's build: the rank doing it
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     mcfg = model_config(cfg.preset, vocab_size=max(256, data.vocab_size), max_seq_len=max(cfg.seq_len, 1))
     # Initialised where it trains: a 7B model's CPU init takes minutes per rank (one OpenMP
@@ -419,7 +422,10 @@ def train(cfg: TrainConfig) -> None:
             metrics.write(**m)
 
     def save(step: int) -> None:
-        runner.save(cfg.save_dir, f"step{step}", {"step": step, "train_config": dataclasses.asdict(cfg)})
+        try:
+            runner.save(cfg.save_dir, f"step{step}", {"step": step, "train_config": dataclasses.asdict(cfg)})
+        except CheckpointError as e:  # every rank gets it: rank 0 says it
+            raise SystemExit(f"{e}\n{resume_hint(cfg.save_dir, cfg.resume)}" if rank == 0 else 1) from None
         say(f"saved checkpoint {cfg.save_dir}/step{step}", flush=True)
 
     say(f"training steps {start + 1} to {cfg.max_steps}, a log line every {cfg.log_interval} steps"
@@ -489,9 +495,20 @@ def main(argv=None) -> None:
     launch_env(cfg.engine)
     for line in settings_lines(cfg):
         say_before_group(line)
-    (init_deepspeed_distributed if cfg.engine == "deepspeed" else init_fsdp_distributed)()
-    train(cfg)
+    (init_deepspeed_distributed if cfg.engine == "deepspeed" else init_fsdp_distributed)(
+        timedelta(seconds=cfg.dist_timeout_s))
+    watchdog = start_watchdog(cfg.heartbeat_timeout_s, lambda: resume_hint(cfg.save_dir, cfg.resume))
+    try:
+        train(cfg)
+    except BaseException as e:
+        if watchdog:
+            watchdog.failed(e)  # ends here, naming the rank, if a dead one caused `e`
+        raise
+    if watchdog:
+        watchdog.finish()
     shutdown_distributed()
+    if watchdog:
+        watchdog.stop()
 
 
 if __name__ == "__main__":

@@ -4,8 +4,10 @@ and the metrics log. One process here; on 2 gloo ranks: test_fsdp.py (a failed s
 save over an existing folder), test_train.py and test_train_fsdp.py (runs killed in a save)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import subprocess
 import time
 
 import pytest
@@ -63,16 +65,20 @@ def test_staged_save_publishes_only_complete_checkpoints(tmp_path):
     assert record["step"] == 2 and record["files"] == {"data.bin": 100} and record["world_size"] == 1
     assert (save / LATEST).read_text() == "step2"
 
-    # A save that fails part-way: nothing named step4, `latest` unchanged, resume takes step2.
-    with pytest.raises(OSError, match="disk full"):
+    # A save that fails part-way, on a full disk (/dev/full fails every write with the kernel's
+    # ENOSPC): the error names the folder and the cause, the partial folder is gone, nothing
+    # named step4, `latest` unchanged, resume takes step2.
+    with pytest.raises(CheckpointError, match=f"saving {save / 'step4'} failed on rank\\(s\\) \\[0\\]: ENOSPC: No "
+                                              f"space left on device; .* partial save .*removed .*untouched"):
         with staged_save(save / "step4", 4) as staging:
-            open(os.path.join(staging, "data.bin"), "wb").write(b"half")
-            raise OSError("disk full")
-    assert not (save / "step4").exists() and os.path.isdir(staging_path(save / "step4"))
+            open(os.path.join(staging, "small.bin"), "wb").write(b"half")
+            os.symlink("/dev/full", os.path.join(staging, "data.bin"))
+            with open(os.path.join(staging, "data.bin"), "wb") as f:
+                f.write(b"x" * 100)
+    assert not (save / "step4").exists() and not os.path.exists(staging_path(save / "step4"))
     assert (save / LATEST).read_text() == "step2"
     found = find_checkpoint(save)
-    assert found.path == str(save / "step2") and found.step == 2
-    assert [os.path.basename(f) for f, _ in found.skipped] == [".step4.partial"]
+    assert found.path == str(save / "step2") and found.step == 2 and not found.skipped
 
     # The same step saved again replaces the leftover staging folder, and becomes the newest.
     _save(save, "step4", 4)
@@ -90,6 +96,43 @@ def test_staged_save_publishes_only_complete_checkpoints(tmp_path):
     # A lower step saved later (a resume from step 2 into this folder) does not move `latest` back.
     _save(save, "step3", 3)
     assert (save / LATEST).read_text() == "step4" and find_checkpoint(save).path == str(save / "step4")
+
+
+@contextlib.contextmanager
+def _unwritable(folder):
+    """`folder` made unwritable: its mode 0555, or, for root (whom modes do not stop), its
+    immutable attribute (chattr +i); skips the test where neither holds."""
+    os.chmod(folder, 0o555)
+    immutable = False
+    try:
+        if os.access(folder, os.W_OK):
+            immutable = subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode == 0
+            if not immutable:
+                pytest.skip("cannot make a folder unwritable here (root, and no chattr +i)")
+        yield
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(folder)], check=True)
+        os.chmod(folder, 0o755)
+
+
+@pytest.mark.slow  # chattr, for root
+def test_save_into_an_unwritable_folder_fails_naming_it_and_keeps_the_last_checkpoint(tmp_path):
+    save = tmp_path / "ckpt"
+    _save(save, "step2", 2)
+    with _unwritable(save):
+        with pytest.raises(CheckpointError, match=f"cannot save {save / 'step4'}: cannot create "
+                                                  f"{staging_path(save / 'step4')}: (EACCES: Permission denied|EPERM: "
+                                                  "Operation not permitted).*the checkpoints saved before it are "
+                                                  "untouched"):
+            _save(save, "step4", 4)
+        with pytest.raises(CheckpointError, match=f"cannot save checkpoints in {save}: (EACCES|EPERM)"):
+            check_new_checkpoints(save, ["step4"])  # what train.py checks before its first step
+        found = find_checkpoint(save)  # verified against its record
+    assert found.path == str(save / "step2") and (save / "step2" / "data.bin").read_bytes() == b"x" * 100
+    assert sorted(os.listdir(save)) == [LATEST, "step2"] and (save / LATEST).read_text() == "step2"
+    _save(save, "step4", 4)  # writable again: the save goes through
+    assert find_checkpoint(save).step == 4
 
 
 def test_resume_choice_and_damaged_files_name_their_path(tmp_path):

@@ -89,6 +89,13 @@ def test_train_py_coat_zero_killed_in_save_resumes(tmp_path, stage):
     assert (save / "latest").read_text() == "step12" and not (save / ".step12.partial").exists()
     assert json.loads((save / "step12" / "coat_ds_checkpoint.json").read_text())["step"] == 12
 
+    if stage == 3:  # one rank resumes the 2-rank ZeRO-3 checkpoint: consolidated, then re-partitioned
+        cmd = _cmd(stage, "--resume", str(save / "step6"), "--max-steps", "8")
+        one = run_in_repo([sys.executable] + cmd[cmd.index("train.py"):], 300, DS_ACCELERATOR="cpu")
+        assert f"resumed from {save / 'step6'} at step 6" in one.stdout and "1 rank(s)" in one.stdout
+        loss = float(one.stdout.split("step 8/8 (100%) | loss ")[1].split()[0])
+        assert loss < ref[2]["loss"] - 0.2, one.stdout[-2000:]
+
     if stage == 2:  # damaged files name themselves, offline (no engine needed)
         from coat_ds.io.safe_load import CheckpointError
         from coat_ds.integrations.deepspeed.checkpoint import consolidate_checkpoint

@@ -9,8 +9,10 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
+import torch.distributed.checkpoint as dcp
 
 from helpers import ROOT, free_port, read_metrics, run_failing_in_repo, run_in_repo, run_killed_in_save
 
@@ -76,6 +78,79 @@ def test_train_py_fsdp2_killed_in_save_resumes(tmp_path):
     assert f"{save} already holds step6, which this run would save again" in again.stderr
     assert "step 6/6" not in again.stdout
     assert {f: (save / "step6" / f).read_bytes() for f in os.listdir(save / "step6")} == before
+
+
+def _ranks_without_launcher(flags: list[str], nproc: int, log_dir) -> list[subprocess.Popen]:
+    """`train.py --fsdp flags` as `nproc` processes started as a launcher on several machines
+    would start them, with no agent that ends the others when one dies."""
+    port, procs = free_port(), []
+    for rank in range(nproc):
+        env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank),
+               "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc)}
+        procs.append(subprocess.Popen([sys.executable, "train.py", "--fsdp", *flags], cwd=ROOT, env=env,
+                                      stdout=open(log_dir / f"rank{rank}.log", "w"), stderr=subprocess.STDOUT))
+    return procs
+
+
+@pytest.mark.slow
+def test_train_py_on_a_corpus_survives_a_killed_rank_and_a_full_disk(tmp_path):
+    """A BPE corpus (this repository's Python sources, a glob); a rank SIGKILLed mid-run: the
+    survivor ends within the heartbeat bound naming it and the checkpoint to resume from (no
+    launcher ends it, as none would on several machines). The resume, on one rank, meets a full
+    disk at its save: the error names the folder and ENOSPC, the last checkpoint stays; a second
+    resume from it finishes."""
+    from coat_ds.io.checkpoint_folders import find_checkpoint
+
+    save, cache = tmp_path / "ckpt", tmp_path / "cache"
+    corpus = ["--config", "configs/tiny.yaml", "--data", os.path.join(ROOT, "coat_ds", "**", "*.py"), "--tokenizer",
+              "bpe", "--bpe-vocab-size", "512", "--data-cache", str(cache), "--eval-interval", "0", "--eval-batches",
+              "2", "--log-interval", "1", "--save-dir", str(save), "--save-interval", "2"]
+    procs = _ranks_without_launcher([*corpus, "--max-steps", "1000", "--heartbeat-timeout-s", "5",
+                                     "--dist-timeout-s", "60"], 2, tmp_path)
+    try:
+        deadline = time.monotonic() + 150
+        while not (save / "step2").exists():
+            assert procs[0].poll() is None and time.monotonic() < deadline, (tmp_path / "rank0.log").read_text()[-3000:]
+            time.sleep(0.05)
+        procs[1].kill()
+        killed = time.monotonic()
+        status = procs[0].wait(60)
+        took = time.monotonic() - killed
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    out = (tmp_path / "rank0.log").read_text()
+    # Both ranks prepared the corpus: one built it, the other waited for it, then found it made.
+    assert "corpus: training a byte-level BPE of 512 ids" in out + (tmp_path / "rank1.log").read_text()
+    assert "(bpe512, vocabulary 512, uint16); train " in out and "(val_file_fraction 0.01)" in out
+    newest = find_checkpoint(save)
+    assert status == 1 and took < 30, (status, took, out[-3000:])
+    assert (f"FATAL on rank 0: rank 1 of 2 stopped answering: no heartbeat for 5 s (heartbeat_timeout_s)" in out
+            and f"To go on, relaunch every rank with --resume {save} (its newest complete checkpoint: {newest.path}, "
+            f"step {newest.step})." in out), out[-3000:]
+    # The model's vocabulary is the tokenizer's.
+    emb = dcp.FileSystemReader(newest.path).read_metadata().state_dict_metadata["model.embed.weight"]
+    assert emb.size[0] == 512
+
+    # One rank resumes; its save hits a full disk (its data file is a link to /dev/full).
+    end = newest.step + 2
+    full = run_failing_in_repo([sys.executable, "train.py", "--fsdp", *corpus, "--resume", str(save), "--max-steps",
+                                str(end)], 180, COAT_DS_CKPT_FAULT=f"rank=0,ckpt=step{end},file=.distcp,action=full")
+    assert f"resumed from {newest.path} at step {newest.step}" in full.stdout and "(reused)" in full.stdout
+    assert f"step {end}/{end} (100%)" in full.stdout
+    assert (f"saving {save / f'step{end}'} failed on rank(s) [0]: ENOSPC: No space left on device; "
+            f"{save / f'step{end}'} was not created and the partial save {save / f'.step{end}.partial'} was removed"
+            in full.stderr), full.stderr[-3000:]
+    assert f"(its newest complete checkpoint: {newest.path}, step {newest.step})" in full.stderr
+    assert "Traceback" not in full.stderr
+    assert find_checkpoint(save).path == newest.path and not (save / f".step{end}.partial").exists()
+
+    again = run_in_repo([sys.executable, "train.py", "--fsdp", *corpus, "--resume", str(save), "--max-steps",
+                         str(end)], 180)
+    assert f"resumed from {newest.path} at step {newest.step}" in again.stdout
+    assert f"saved checkpoint {save}/step{end}" in again.stdout and find_checkpoint(save).step == end
 
 
 @pytest.mark.slow

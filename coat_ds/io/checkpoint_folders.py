@@ -13,7 +13,10 @@ writes into `.stepN.partial`; when all of them have finished (a collective), ran
 completion record (`coat_ds_checkpoint.json`: step, world size, every file with its size, any
 client state given) last, renames the folder to `stepN` and then points `latest` at it. A save never touches an existing
 `stepN`: it fails before writing anything. A kill while `latest` is written leaves a
-`.latest.*.tmp` file, which the next save removes.
+`.latest.*.tmp` file, which the next save removes. A write that fails on any rank (a full disk,
+an unwritable folder) fails the save on every rank with a CheckpointError naming the folder and
+the cause; the partial folder is removed (it only takes space) and earlier checkpoints stay as
+they were.
 
 `find_checkpoint(path)` is how resume chooses: `path` is either one checkpoint folder or a save
 folder, in which case the complete checkpoint with the highest step is taken and every
@@ -27,11 +30,13 @@ Files are read weights-only (io/safe_load.py); tests kill a rank inside a save t
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
 import shutil
 import sys
+import tempfile
 import time
 import zipfile
 from dataclasses import dataclass
@@ -134,18 +139,28 @@ def staged_save(final: str | os.PathLike, step: int, engine: str = "",
                 shutil.rmtree(staging, ignore_errors=True)  # the leftover of a save that died
                 os.makedirs(staging)
             except OSError as e:
-                problem = (CheckpointError, f"cannot create {staging}: {e}")
+                problem = (CheckpointError, f"cannot save {final}: cannot create {staging}: {_write_error(e)}; the "
+                                            "checkpoints saved before it are untouched")
     problem = _from_rank0(problem)
     if problem:
         raise problem[0](problem[1])
-    ok = False
+    error = None
     try:
         yield staging
-        ok = True
-    finally:
-        failed = _failed_ranks(ok)
+    except BaseException as e:  # DCP's CheckpointException is one
+        if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+            _failed_ranks(False)  # the other ranks learn it, then this one stops
+            raise
+        error = e
+    failed = _failed_ranks(error is None)  # also the barrier after the writes
     if failed:
-        raise CheckpointError(f"rank(s) {failed} failed while writing {staging}; {final} was not created")
+        free = shutil.disk_usage(os.path.dirname(final)).free
+        if rank == 0:  # every rank has stopped writing: the partial files only take space now
+            shutil.rmtree(staging, ignore_errors=True)
+        cause = f": {_write_error(error)}" if error is not None else f" (this is rank {rank}: it wrote its part)"
+        raise CheckpointError(f"saving {final} failed on rank(s) {failed}{cause}; {final} was not created and the "
+                              f"partial save {staging} was removed ({free:,} bytes were free there); the checkpoints "
+                              "saved before it are untouched") from error
     if rank == 0:
         record = {"format": FORMAT, "name": os.path.basename(final), "step": int(step), "engine": engine,
                   "world_size": world, "saved_at": time.time(), "files": _synced_files(staging)}
@@ -157,6 +172,27 @@ def staged_save(final: str | os.PathLike, step: int, engine: str = "",
         fsync_dir(os.path.dirname(final))
         _update_latest(os.path.dirname(final))
     _barrier()  # no rank goes on (or loads) before the checkpoint is visible
+
+
+def _write_error(error: BaseException) -> str:
+    """What went wrong in a failed write, for one line: the first OSError found in `error`, its
+    cause or context, or (DCP's CheckpointException) the exceptions of its ranks, as its errno
+    name, message and file; else the error's first line."""
+    seen, todo = [], [error]
+    while todo:
+        e = todo.pop(0)
+        if e is None or any(e is s for s in seen):
+            continue
+        seen.append(e)
+        if isinstance(e, OSError) and e.errno:
+            where = f" ({e.filename})" if e.filename else ""
+            return f"{errno.errorcode.get(e.errno, e.errno)}: {e.strerror}{where}"
+        todo += [e.__cause__, e.__context__] + [f[0] for f in getattr(e, "failures", {}).values()]
+    for e in seen:
+        if isinstance(e, OSError):
+            return f"{type(e).__name__}: {e}"
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
 def _update_latest(save_dir: str) -> None:
@@ -316,8 +352,14 @@ def report_skipped(found: Found) -> None:
 
 
 def check_new_checkpoints(save_dir: str | os.PathLike, names: list[str]) -> None:
-    """Fail, naming them, if checkpoints a run is about to write already exist in `save_dir`
-    (before training: a save never modifies an existing checkpoint)."""
+    """Fail before training if `save_dir` cannot be written in, or, naming them, if checkpoints
+    a run is about to write already exist there (a save never modifies an existing checkpoint)."""
+    try:
+        os.makedirs(save_dir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=save_dir):
+            pass
+    except OSError as e:
+        raise CheckpointError(f"cannot save checkpoints in {os.fspath(save_dir)}: {_write_error(e)}") from e
     taken = [n for n in names if os.path.lexists(os.path.join(os.fspath(save_dir), n))]
     if taken:
         raise FileExistsError(f"{os.fspath(save_dir)} already holds {', '.join(taken)}, which this run would save "

@@ -1,5 +1,6 @@
-"""Fault injection for tests: `COAT_DS_CKPT_FAULT` kills or tears a rank's write inside a
-checkpoint save (`fault_point` marks where), so that tests can check what a crash leaves."""
+"""Fault injection for tests: `COAT_DS_CKPT_FAULT` kills, tears or fails a rank's write inside a
+checkpoint save (`fault_point` marks where), so that tests can check what a crash or a full disk
+leaves."""
 from __future__ import annotations
 
 import contextlib
@@ -22,7 +23,7 @@ def _rank() -> int:
 
 _FAULT_ENV = "COAT_DS_CKPT_FAULT"
 _FAULT_KEYS = ("rank", "ckpt", "file", "action", "pidfile")
-_ACTIONS = ("raise", "torn", "pause")
+_ACTIONS = ("raise", "torn", "pause", "full")
 
 
 def _fault() -> dict | None:
@@ -48,7 +49,8 @@ def fault_point(path: str | os.PathLike) -> Iterator[None]:
     when saving checkpoint stepN, at the files whose name contains SUBSTRING, A is `raise`
     (an exception instead of the write), `torn` (the file written, cut to half its size, then
     the process SIGKILLs itself) or `pause` (this process's id written to P, then it waits to
-    be killed from outside, before writing)."""
+    be killed from outside, before writing) or `full` (the file created as a link to /dev/full,
+    whose writes the kernel fails with ENOSPC: the engine's own write meets a full disk)."""
     fault = _fault()
     path = os.fspath(path)
     if fault is None or not _fault_matches(fault, path):
@@ -61,6 +63,10 @@ def fault_point(path: str | os.PathLike) -> Iterator[None]:
             f.write(str(os.getpid()))
         while True:
             time.sleep(1)
+    if fault["action"] == "full":
+        os.symlink("/dev/full", path)
+        yield
+        return
     yield
     os.truncate(path, os.path.getsize(path) // 2)
     os.kill(os.getpid(), signal.SIGKILL)

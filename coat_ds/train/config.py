@@ -20,16 +20,20 @@ import yaml
 
 from ..config import RECIPES
 from ..config.checks import ConfigError, boolean, choice, integer, number, text
+from .corpus import is_corpus
+from .data import DataConfig
 from .engine_setup import read_ds_settings
+from .tokenizer import BYTE_VOCAB
 from ..models.llama import PRESETS
 from ..config.shipped import find_ds_config, find_train_preset
 
-__all__ = ["TrainConfig", "ENGINE_NAMES", "parse_config", "build_parser", "checkpoint_plan", "field_docs",
-           "step_in_backward_refusal"]
+__all__ = ["TrainConfig", "ENGINE_NAMES", "data_config", "parse_config", "build_parser", "checkpoint_plan",
+           "field_docs", "step_in_backward_refusal"]
 
 ENGINE_NAMES = ("deepspeed", "fsdp")
 _FSDP_MODES = ("fsdp2", "fsdp1")
 _BIN_DTYPES = ("uint8", "uint16", "uint32", "int16", "int32", "int64")
+_TOKENIZERS = ("byte", "bpe")
 
 
 @dataclass(frozen=True)
@@ -39,10 +43,15 @@ class TrainConfig:
     # model and data
     preset: str = "small"  # model size, one of coat_ds.models.llama.PRESETS
     seq_len: int = 256  # tokens per sequence
-    data: str = "stdlib"  # "stdlib" (Python's own sources), a text file, or a pre-tokenised .bin
+    data: str = "stdlib"  # "stdlib" (Python's own sources), a text file, a pre-tokenised .bin, or a corpus: a directory or a glob ('dir/**/*.py')
     bin_dtype: str = "uint16"  # element type of a .bin data file
-    val_fraction: float = 0.05  # share of the data held out for eval loss, in (0, 1)
+    val_fraction: float = 0.05  # share of the data held out for eval loss, in (0, 1) (a corpus: val_file_fraction)
     max_data_bytes: int = 32_000_000  # cap on stdlib text read at start-up
+    val_file_fraction: float = 0.01  # a corpus: share of its files held out for eval loss (at least one)
+    tokenizer: str = "byte"  # a corpus: "byte" (256 ids) or "bpe" (trained on a sample of its train split; the model's vocabulary follows)
+    bpe_vocab_size: int = 32000  # tokenizer bpe: ids, <|endoftext|> and the 256 byte symbols included
+    bpe_sample_bytes: int = 50_000_000  # tokenizer bpe: bytes of train-split text it learns from
+    data_cache: str = ""  # a corpus: folder of its tokenised cache, reused while the files and tokenizer match ("": ~/.cache/coat_ds/corpus)
     # schedule (peak LR, betas and weight decay live in the DeepSpeed JSON)
     max_steps: int = 1000  # optimizer steps to train to
     warmup_steps: int = 100  # steps of linear LR warm-up
@@ -60,6 +69,8 @@ class TrainConfig:
     trace: str = ""  # a torch.profiler trace (Chrome JSON, .json.gz) of 3 steps after trace_after, rank 0's ("": none)
     trace_after: int = 10  # steps run before the trace starts (compilation and warm-up stay out of it)
     # engine
+    dist_timeout_s: int = 300  # process-group timeout, seconds: a collective that waits longer fails the run (docs/train_faults.md)
+    heartbeat_timeout_s: int = 60  # a rank silent this long is gone: the others end at once, naming it and the checkpoint to resume (0: off)
     engine: str = "deepspeed"  # what sets the model up: "deepspeed" or "fsdp" (same as --fsdp)
     deepspeed: str = "ds_configs/coat_zero2.json"  # DeepSpeed JSON: optimizer, batches, clipping, BF16 (both engines)
     fsdp_mode: str = "fsdp2"  # FSDP engine: "fsdp2" (fully_shard) or "fsdp1" (FullyShardedDataParallel)
@@ -82,6 +93,14 @@ class TrainConfig:
         choice("bin_dtype", self.bin_dtype, _BIN_DTYPES)
         number("val_fraction", self.val_fraction, lo=0.0, hi=1.0, lo_open=True, hi_open=True)
         integer("max_data_bytes", self.max_data_bytes, lo=1)
+        number("val_file_fraction", self.val_file_fraction, lo=0.0, hi=1.0, lo_open=True, hi_open=True)
+        choice("tokenizer", self.tokenizer, _TOKENIZERS)
+        if self.tokenizer == "bpe" and not is_corpus(self.data):
+            raise ConfigError("tokenizer", self.tokenizer, f"'byte' unless data is a directory or a glob (got data "
+                              f"{self.data!r})")
+        integer("bpe_vocab_size", self.bpe_vocab_size, lo=BYTE_VOCAB + 1, hi=2**32)
+        integer("bpe_sample_bytes", self.bpe_sample_bytes, lo=1)
+        text("data_cache", self.data_cache)
         integer("max_steps", self.max_steps, lo=1)
         integer("warmup_steps", self.warmup_steps, lo=0)
         number("min_lr_ratio", self.min_lr_ratio, lo=0.0, hi=1.0)
@@ -96,6 +115,8 @@ class TrainConfig:
             raise ConfigError("trace_after", self.trace_after, f"under max_steps ({self.max_steps}): the trace "
                               "would never start")
         integer("save_interval", self.save_interval, lo=0)
+        integer("dist_timeout_s", self.dist_timeout_s, lo=1)
+        integer("heartbeat_timeout_s", self.heartbeat_timeout_s, lo=0)
         boolean("trust_checkpoint", self.trust_checkpoint)
         choice("engine", self.engine, ENGINE_NAMES)
         text("deepspeed", self.deepspeed, nonempty=True)
@@ -129,8 +150,8 @@ class TrainConfig:
                               "per block")
 
 
-_CHOICES = {"preset": tuple(PRESETS), "bin_dtype": _BIN_DTYPES, "engine": ENGINE_NAMES, "fsdp_mode": _FSDP_MODES,
-            "recipe": RECIPES}
+_CHOICES = {"preset": tuple(PRESETS), "bin_dtype": _BIN_DTYPES, "tokenizer": _TOKENIZERS, "engine": ENGINE_NAMES,
+            "fsdp_mode": _FSDP_MODES, "recipe": RECIPES}
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -270,6 +291,14 @@ def step_in_backward_refusal(cfg: TrainConfig, ds) -> str | None:
         return (f"optimizer.params.max_grad_norm in {cfg.deepspeed}: not read by train.py; its gradient_clipping "
                 "sets the clipping of both engines")
     return None
+
+
+def data_config(cfg: TrainConfig) -> DataConfig:
+    """Where the run's tokens come from."""
+    return DataConfig(cfg.data, cfg.bin_dtype, cfg.val_fraction, cfg.max_data_bytes,
+                      val_file_fraction=cfg.val_file_fraction, tokenizer=cfg.tokenizer,
+                      bpe_vocab_size=cfg.bpe_vocab_size, bpe_sample_bytes=cfg.bpe_sample_bytes,
+                      cache_dir=cfg.data_cache)
 
 
 def checkpoint_plan(cfg: TrainConfig) -> str:

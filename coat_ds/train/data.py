@@ -3,9 +3,10 @@
 The default corpus is the running interpreter's own standard library (its .py files), found
 through `sysconfig`: real text on every machine with Python. Files go to train or validation
 by a hash of their relative path, so the split never depends on walk order. A user's text file
-(bytes, last `val_fraction` held out) or a pre-tokenised `.bin` (a raw integer array, as
-nanoGPT writes it) works too. A batch is a pure function of (seed, step, rank, micro-step), so
-a resumed run sees exactly the batches an uninterrupted one would.
+(bytes, last `val_fraction` held out), a pre-tokenised `.bin` (a raw integer array, as
+nanoGPT writes it), or a corpus of files (a directory or a glob: split by file, tokenised once
+into a cache, see corpus.py) works too. A batch is a pure function of (seed, step, rank,
+micro-step), so a resumed run sees exactly the batches an uninterrupted one would.
 """
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ import os
 import sysconfig
 import zlib
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+
+from .corpus import corpus_description, default_cache_dir, is_corpus, open_corpus, prepare_corpus
 
 __all__ = ["DataConfig", "TokenData", "load_data", "stdlib_corpus", "batch_seed"]
 
@@ -23,22 +27,37 @@ __all__ = ["DataConfig", "TokenData", "load_data", "stdlib_corpus", "batch_seed"
 class DataConfig:
     """Where tokens come from."""
 
-    source: str = "stdlib"  # "stdlib", a text file path, or a pre-tokenised .bin path
+    source: str = "stdlib"  # "stdlib", a text file path, a pre-tokenised .bin path, or a directory / glob corpus
     bin_dtype: str = "uint16"  # element type of a .bin file
     val_fraction: float = 0.05  # share held out for evaluation (stdlib: share of files)
     max_bytes: int = 32_000_000  # cap on stdlib text read (keeps start-up quick)
+    val_file_fraction: float = 0.01  # corpus: share of its files held out (at least one)
+    tokenizer: str = "byte"  # corpus: "byte" or "bpe" (trained on its train split)
+    bpe_vocab_size: int = 32_000  # corpus with tokenizer "bpe": ids, <|endoftext|> and the 256 bytes included
+    bpe_sample_bytes: int = 50_000_000  # corpus with tokenizer "bpe": train-split text the BPE learns from
+    cache_dir: str = ""  # corpus: where its tokenised cache goes ("": ~/.cache/coat_ds/corpus)
 
     def __post_init__(self):
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction!r}")
         if self.max_bytes <= 0:
             raise ValueError(f"max_bytes must be > 0, got {self.max_bytes!r}")
+        if not 0.0 < self.val_file_fraction < 1.0:
+            raise ValueError(f"val_file_fraction must be in (0, 1), got {self.val_file_fraction!r}")
+        if self.tokenizer not in ("byte", "bpe"):
+            raise ValueError(f"tokenizer must be 'byte' or 'bpe', got {self.tokenizer!r}")
+        if self.tokenizer == "bpe" and not is_corpus(self.source):
+            raise ValueError(f"tokenizer 'bpe' needs a directory or glob corpus as source, got {self.source!r}")
 
     def describe(self) -> str:
         """What `load_data` will read, for the line printed before it does."""
         if self.source == "stdlib":
             return (f"Python's standard-library sources under {sysconfig.get_paths()['stdlib']}, up to "
                     f"{self.max_bytes:,} bytes, {self.val_fraction:g} of the files held out")
+        if is_corpus(self.source):
+            tok = "bytes" if self.tokenizer == "byte" else f"a byte-level BPE of {self.bpe_vocab_size:,} ids"
+            return (f"corpus {self.source} (its files in sorted order, {self.val_file_fraction:g} of them held out, "
+                    f"at least one; tokens: {tok}; cache under {self.cache_dir or default_cache_dir()})")
         kind = f"pre-tokenised {self.bin_dtype} tokens" if self.source.endswith(".bin") else "text, as bytes"
         return f"{self.source} ({kind}), the last {self.val_fraction:g} held out"
 
@@ -108,13 +127,19 @@ def _read_bin(path: str, dtype_name: str) -> torch.Tensor:
     return torch.from_file(path, shared=False, size=size // item, dtype=dtype).to(torch.int64)
 
 
-def load_data(cfg: DataConfig) -> TokenData:
+def load_data(cfg: DataConfig, log: Callable[[str], None] = print) -> TokenData:
+    """The tokens of `cfg.source`; `log` gets the progress of a corpus cache being built."""
     if cfg.source == "stdlib":
         train, val, n = stdlib_corpus(cfg.max_bytes, cfg.val_fraction)
         return TokenData(_bytes_tensor(train), _bytes_tensor(val), 256,
                          f"stdlib sources ({n} files, {len(train):,} train / {len(val):,} val bytes)")
+    if is_corpus(cfg.source):
+        folder, meta = prepare_corpus(cfg, log)
+        train, val = open_corpus(folder, meta)
+        return TokenData(train, val, meta["vocab_size"], corpus_description(meta, folder))
     if not os.path.isfile(cfg.source):
-        raise FileNotFoundError(f"data source not found: {cfg.source} (use 'stdlib', a text file or a .bin)")
+        raise FileNotFoundError(f"data source not found: {cfg.source} (use 'stdlib', a text file, a .bin, a directory "
+                                "or a glob)")
     if cfg.source.endswith(".bin"):
         tokens = _read_bin(cfg.source, cfg.bin_dtype)
         vocab = int(tokens.max()) + 1
