@@ -44,7 +44,8 @@ from coat_ds.train.engine_setup import clipping_off_note, read_ds_settings
 from coat_ds.integrations.deepspeed.engine import comm_op_build_note, single_process_world
 from coat_ds.integrations.deepspeed.zero3 import compile_zero3_layers
 from coat_ds.train.metrics import MetricsLog
-from coat_ds.models.llama import Llama, model_config
+from coat_ds.train.model_start import build_model, materialize, model_start
+from coat_ds.models.llama import model_config
 from coat_ds.train.config import TrainConfig, checkpoint_plan, parse_config, step_in_backward_refusal
 from coat_ds.optim import nonfinite_groups
 from coat_ds.plan import apply_plan, compile_layer
@@ -131,6 +132,8 @@ def setup_fsdp_engine(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
     ds = read_ds_settings(cfg.deepspeed, dist.get_world_size())
     # As under DeepSpeed's bf16: FP32 master weights and optimizer, BF16 compute, FP32 reduction.
     model = setup_fsdp(model, mode=cfg.fsdp_mode, param_dtype=torch.bfloat16 if ds.bf16 else None)
+    if next(model.parameters()).is_meta:  # meta_start: this rank's shards get storage and values now
+        materialize(model, train_device(), cfg.seed)
     # Stepping in backward, CoatAdamW clips itself (the gradients are gone once backward ends).
     in_backward = dict(step_in_backward=True, max_grad_norm=ds.clip or None) if cfg.step_in_backward else {}
     optim = build_optimizer(ds, model.parameters(), **in_backward)
@@ -354,12 +357,11 @@ def train(cfg: TrainConfig) -> None:
     data = load_data(data_cfg)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     mcfg = model_config(cfg.preset, vocab_size=max(256, data.vocab_size), max_seq_len=max(cfg.seq_len, 1))
-    # Initialised where it trains: a 7B model's CPU init takes minutes per rank (one OpenMP
-    # thread each under a launcher).
-    with torch.device(train_device()):
-        model = Llama(mcfg)
-    say(f"data: {data.description}\nmodel: {cfg.preset}, {mcfg.num_params() / 1e6:.2f}M params", flush=True)
     ds = read_ds_settings(cfg.deepspeed, world, engine=cfg.engine)
+    start = model_start(cfg, ds)
+    say(start.note, flush=True)
+    model = build_model(start, mcfg, cfg.seed, train_device(), cfg.deepspeed)
+    say(f"data: {data.description}\nmodel: {cfg.preset}, {mcfg.num_params() / 1e6:.2f}M params", flush=True)
     fp8_config = Fp8LinearConfig(keep_weight_codes=cfg.fp8_keep_weight_codes)
     # Model edits on the unsharded modules, before either engine wraps them; the handle counts bytes.
     if cfg.recipe:

@@ -174,6 +174,19 @@ class Llama(nn.Module):
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
 
+    def init_std(self, name: str) -> float | None:
+        """The distribution the constructor draws parameter `name` from: N(0, std^2) with the
+        std returned, or None for the norm weights' ones. Names as `named_parameters` gives
+        them, which FSDP2, ZeRO-3 and coat_ds.prepare keep; for initialising a model built
+        on the meta device shard by shard (coat_ds.models.sharded_init)."""
+        if name.endswith("norm.weight"):
+            return None
+        if name.endswith(("wo.weight", "w_down.weight")):
+            return 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        if name.endswith(("embed.weight", "head.weight", "wqkv.weight", "w_gate.weight", "w_up.weight")):
+            return 0.02
+        raise ValueError(f"no initial distribution known for parameter {name!r} of a Llama")
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (batch, seq, vocab), or the loss when `targets` is given."""
         t = idx.shape[1]
