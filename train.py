@@ -81,6 +81,7 @@ class Runner:
     micro_batch: int  # sequences per rank per micro-step
     grad_accum: int  # micro-steps per optimizer step
     device: torch.device
+    model: torch.nn.Module  # the module trained: its parameters are this rank's (shards, partitions)
 
 
 def eval_loss_of(module: torch.nn.Module) -> Callable:
@@ -120,7 +121,7 @@ def setup_deepspeed(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
                   optimizer_state_bytes=lambda: optimizer_state_bytes(base_optimizer),
                   nonfinite_groups=lambda: nonfinite_groups(base_optimizer),
                   micro_batch=engine.train_micro_batch_size_per_gpu(),
-                  grad_accum=engine.gradient_accumulation_steps(), device=engine.device)
+                  grad_accum=engine.gradient_accumulation_steps(), device=engine.device, model=engine.module)
 
 
 def setup_fsdp_engine(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
@@ -173,7 +174,7 @@ def setup_fsdp_engine(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
                   load=load, lr=lambda: optim.param_groups[0]["lr"],
                   optimizer_state_bytes=lambda: optimizer_state_bytes(optim),
                   nonfinite_groups=lambda: nonfinite_groups(optim),
-                  micro_batch=ds.micro_batch, grad_accum=ds.grad_accum, device=train_device())
+                  micro_batch=ds.micro_batch, grad_accum=ds.grad_accum, device=train_device(), model=model)
 
 
 def train_device() -> torch.device:
