@@ -1,6 +1,6 @@
-"""train.py's meta_start: weights drawn shard by shard are the same at any world size, and
-under FSDP2 each rank's host memory grows by its shard only while a model is built whose
-full FP32 copy on every rank would not fit the machine."""
+"""train.py's meta_start: weights drawn shard by shard are the same at any world size; under
+FSDP2 each rank's host memory grows by its shard only while a model is built whose full
+FP32 copy on every rank would not fit the machine; ZeRO-3's partitions hold the same values."""
 from __future__ import annotations
 
 import json
@@ -63,8 +63,36 @@ def _rss_kib(field: str) -> int:
     return int(re.search(rf"{field}:\s+(\d+) kB", open("/proc/self/status").read()).group(1))
 
 
+def _zero3_partitions_match(seed: int) -> dict:
+    """ZeRO-3 (deepspeed.zero.Init, BF16 as the JSON says): each rank's partitions hold the
+    parameter's values drawn whole, rounded to BF16, and zeros past its end."""
+    import deepspeed
+
+    from coat_ds.models.sharded_init import local_range
+    from coat_ds.train.model_start import ModelStart, build_model
+
+    deepspeed.init_distributed()
+    model = build_model(ModelStart("zero3", ""), ModelConfig(dim=66, n_layers=1, n_heads=3, ffn_dim=80),
+                        seed, torch.device("cpu"), "ds_configs/coat_zero3.json")
+    same, padded = True, 0
+    for name, p in model.named_parameters():
+        r = local_range(p)
+        whole = torch.empty(r.numel)
+        std = model.init_std(name)
+        if std is None:
+            whole.fill_(1.0)
+        else:
+            fill_normal(whole, 0, r.numel, std, seed, name)
+        same &= r.flat.dtype == torch.bfloat16 and torch.equal(r.flat, whole[r.start:r.start + r.flat.numel()].bfloat16())
+        if r.padding is not None:
+            padded += r.padding.numel()
+            same &= not r.padding.any()
+    return {"same": bool(same), "padded": padded}
+
+
 def worker(out: str) -> None:
-    """One rank: build the wide model as train.py does (meta_start, FSDP2) and measure."""
+    """One rank: build the wide model as train.py does (meta_start, FSDP2) and measure; then
+    a small one under ZeRO-3."""
     import torch.distributed as dist
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -92,6 +120,8 @@ def worker(out: str) -> None:
     result = {"where": start.where, "growth": growth, "local_numel": r.flat.numel(),
               "shard_bytes": sum(local_range(p).flat.numel() * 4 for p in params.values()),
               "same_values": torch.equal(r.flat, whole[r.start:r.start + r.flat.numel()])}
+    del runner, params, whole
+    result["zero3"] = _zero3_partitions_match(cfg.seed)
     with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
@@ -101,12 +131,13 @@ def worker(out: str) -> None:
 def test_fsdp2_ranks_hold_their_shards_only(tmp_path):
     from helpers import run_ranks
 
-    run_ranks(__file__, str(tmp_path), timeout=300, nproc=RANKS)
+    run_ranks(__file__, str(tmp_path), timeout=300, nproc=RANKS, DS_ACCELERATOR="cpu")
     full = WIDE.num_params() * 4
     results = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(RANKS)]
     assert sum(r["local_numel"] for r in results) == 4096 * 4096  # the parameter, cut once
+    assert results[-1]["zero3"]["padded"] > 0  # 66-element norms: the last ranks' partitions end in padding
     for rank, r in enumerate(results):
-        assert r["where"] == "meta" and r["same_values"], (rank, r)
+        assert r["where"] == "meta" and r["same_values"] and r["zero3"]["same"], (rank, r)
         assert full > 3.9 * r["shard_bytes"]
         # The shards were allocated and written; nothing near the whole model ever was.
         assert 0.9 * r["shard_bytes"] < r["growth"] < r["shard_bytes"] + OVERHEAD_BYTES, (rank, r, full)
