@@ -43,7 +43,9 @@ from coat_ds.integrations.process_group import shutdown_distributed
 from coat_ds.train.engine_setup import clipping_off_note, read_ds_settings
 from coat_ds.integrations.deepspeed.engine import comm_op_build_note, single_process_world
 from coat_ds.integrations.deepspeed.zero3 import compile_zero3_layers
+from coat_ds.memory.training_state import gradient_bytes, model_numel, training_state_bytes
 from coat_ds.train.metrics import MetricsLog
+from coat_ds.train.mfu import flops_per_token, mfu, peak_flops
 from coat_ds.train.model_start import build_model, materialize, model_start
 from coat_ds.models.llama import model_config
 from coat_ds.train.config import TrainConfig, checkpoint_plan, parse_config, step_in_backward_refusal
@@ -71,7 +73,7 @@ def lr_factor(cfg: TrainConfig, step: int) -> float:
 class Runner:
     """What the training loop needs from an engine."""
 
-    train_micro_step: Callable  # (x, y) -> loss; the engine decides when the optimizer steps
+    train_micro_step: Callable  # (x, y, probe=None) -> loss; the engine decides when the optimizer steps (probe() runs between backward and a step)
     eval_loss: Callable  # (x, y) -> loss without gradients
     save: Callable  # (save_dir, tag, client_state) -> None; the checkpoint appears only once complete
     load: Callable  # (checkpoint or save folder) -> (checkpoint folder loaded, client_state)
@@ -82,6 +84,8 @@ class Runner:
     grad_accum: int  # micro-steps per optimizer step
     device: torch.device
     model: torch.nn.Module  # the module trained: its parameters are this rank's (shards, partitions)
+    gradient_bytes: Callable  # () -> bytes of gradients this rank holds now (read after backward)
+    state_bytes: Callable  # (gradient bytes) -> TrainingStateBytes of this rank (read after a step)
 
 
 def eval_loss_of(module: torch.nn.Module) -> Callable:
@@ -97,16 +101,18 @@ def eval_loss_of(module: torch.nn.Module) -> Callable:
 
 def setup_deepspeed(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
     from coat_ds.train.engine_setup import optimizer_state_bytes
-    from coat_ds.integrations.deepspeed.engine import initialize
+    from coat_ds.integrations.deepspeed.engine import engine_gradients, initialize, local_partitions
     from coat_ds.integrations.deepspeed.checkpoint import load_checkpoint, save_checkpoint
 
     engine, _, _, _ = initialize(
         model=model, config=cfg.deepspeed,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(cfg, s)))
 
-    def train_micro_step(x, y):
+    def train_micro_step(x, y, probe=None):
         loss = engine(x, y)
         engine.backward(loss)
+        if probe:
+            probe()
         engine.step()
         return loss
 
@@ -121,7 +127,10 @@ def setup_deepspeed(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
                   optimizer_state_bytes=lambda: optimizer_state_bytes(base_optimizer),
                   nonfinite_groups=lambda: nonfinite_groups(base_optimizer),
                   micro_batch=engine.train_micro_batch_size_per_gpu(),
-                  grad_accum=engine.gradient_accumulation_steps(), device=engine.device, model=engine.module)
+                  grad_accum=engine.gradient_accumulation_steps(), device=engine.device, model=engine.module,
+                  gradient_bytes=lambda: gradient_bytes(engine.module, base_optimizer, engine_gradients(engine)),
+                  state_bytes=lambda grads: training_state_bytes(engine.module, base_optimizer, grads,
+                                                                 [t for t, _ in local_partitions(engine)]))
 
 
 def setup_fsdp_engine(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
@@ -141,7 +150,7 @@ def setup_fsdp_engine(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: lr_factor(cfg, s))
     micro_steps = 0
 
-    def train_micro_step(x, y):
+    def train_micro_step(x, y, probe=None):
         nonlocal micro_steps
         micro_steps += 1
         last = micro_steps % ds.grad_accum == 0
@@ -150,6 +159,8 @@ def setup_fsdp_engine(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
         with optim.accumulating() if in_backward and not last else contextlib.nullcontext():
             (loss / ds.grad_accum).backward()  # the mean over the accumulated micro-batches, as DeepSpeed does
         if last:
+            if probe:
+                probe()
             if ds.clip and not in_backward:
                 clip_grad_norm_(model, ds.clip, sync=False)  # the norm is not read: no wait for the GPU
             optim.step()
@@ -174,7 +185,9 @@ def setup_fsdp_engine(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
                   load=load, lr=lambda: optim.param_groups[0]["lr"],
                   optimizer_state_bytes=lambda: optimizer_state_bytes(optim),
                   nonfinite_groups=lambda: nonfinite_groups(optim),
-                  micro_batch=ds.micro_batch, grad_accum=ds.grad_accum, device=train_device(), model=model)
+                  micro_batch=ds.micro_batch, grad_accum=ds.grad_accum, device=train_device(), model=model,
+                  gradient_bytes=lambda: gradient_bytes(model, optim),
+                  state_bytes=lambda grads: training_state_bytes(model, optim, grads))
 
 
 def train_device() -> torch.device:
@@ -253,6 +266,18 @@ def max_over_ranks(value: float) -> float:
     return t.item()
 
 
+def gather_over_ranks(values: list[float]) -> list[list[float]]:
+    """`values` of every rank, in rank order."""
+    t = torch.tensor(values, dtype=torch.float64)
+    if not dist.is_initialized():
+        return [t.tolist()]
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return [o.tolist() for o in out]
+
+
 def mean_over_ranks(values: list[torch.Tensor]) -> float:
     t = torch.stack([v.detach().float() for v in values]).mean()
     if dist.is_initialized():
@@ -293,6 +318,38 @@ def step_in_backward_note(cfg: TrainConfig) -> str | None:
                 "(2 of 4 bytes per parameter saved; gradient_clipping 0 steps inside backward and saves all 4)")
     return ("step in backward: ON: CoatAdamW steps each parameter as soon as FSDP2 has reduce-scattered its "
             "gradient and frees that gradient; no clipping")
+
+
+def training_state_lines(cfg: TrainConfig, per_rank: list[dict[str, float]], numel: int) -> list[str]:
+    """The log lines of training-state bytes per parameter: each rank's (its bytes over its
+    share, numel / world) and all ranks' together (their bytes over numel)."""
+    def shown(b: dict[str, float], over: float) -> str:
+        per = {k: v / over for k, v in b.items()}
+        return (f"master {per['master']:.2f} | optimizer {per['optimizer']:.2f} | gradients {per['gradients']:.2f} | "
+                f"compute copies {per['compute']:.2f} | total {sum(per.values()):.2f}")
+
+    world = len(per_rank)
+    total = {k: sum(r[k] for r in per_rank) for k in per_rank[0]}
+    grads = "gradients read after its backward"
+    if cfg.step_in_backward:
+        clip = gradient_clipping(load_ds_config(cfg.deepspeed))
+        grads += (", stepping in backward: the BF16 copies held for the clipped step" if clip else
+                  ", stepping in backward: each freed once stepped")
+    lines = [f"training state, bytes per parameter, read from the live tensors (weights and optimizer state after "
+             f"step 1, {grads}):"]
+    lines += [f"  rank {r}: {shown(b, numel / world)} ({sum(b.values()) / 1e9:.4g} GB)" for r, b in enumerate(per_rank)]
+    return lines + [f"  all ranks: {shown(total, numel)} ({sum(total.values()) / 1e9:.4g} GB for {numel:,} parameters)"]
+
+
+def mfu_note(mcfg, seq_len: int, device: torch.device) -> tuple[float | None, str]:
+    """(the dense BF16 peak MFU is measured against or None, the log line saying how)."""
+    peak, name = peak_flops(device)
+    per_token = flops_per_token(mcfg, seq_len)
+    if peak is None:
+        return None, (f"MFU: not reported: no dense BF16 peak known for {name} (the table: coat_ds/train/mfu.py); "
+                      f"model FLOPs per token {per_token / 1e9:.4g} G")
+    return peak, (f"MFU: model FLOPs per token 6 x params (input embedding left out) + 12 x layers x dim x seq_len = "
+                  f"{per_token / 1e9:.4g} G, over {name}'s dense BF16 peak of {peak / 1e12:.0f} TFLOP/s per GPU")
 
 
 # Settings that change what each step computes: a resume may change them, and the log says so.
@@ -412,6 +469,8 @@ def train(cfg: TrainConfig) -> None:
     tokens_per_step = runner.micro_batch * runner.grad_accum * cfg.seq_len * world
     say(f"{world} rank(s), micro-batch {runner.micro_batch} x grad-accum {runner.grad_accum} x seq {cfg.seq_len}: "
         f"{tokens_per_step:,} tokens/step", flush=True)
+    peak, note = mfu_note(mcfg, cfg.seq_len, runner.device)
+    say(note, flush=True)
     metrics = MetricsLog(cfg.metrics_file) if cfg.metrics_file and rank == 0 else None
     if metrics and metrics.last_step:
         say(f"{cfg.metrics_file} already holds steps up to {metrics.last_step}: only later steps are appended",
@@ -437,12 +496,14 @@ def train(cfg: TrainConfig) -> None:
         say(f"tracing steps {trace_first + 1} to {min(trace_first + TRACE_STEPS, cfg.max_steps)} into {cfg.trace} "
             "(their tok/s includes the profiler's cost)", flush=True)
     t0, t_start, window = time.perf_counter(), time.perf_counter(), []
+    grads_read: list[int] = []  # gradient bytes after the first step's backward
     for step in range(start, cfg.max_steps):
         if step == trace_first:
             tracer = start_trace(runner.device)
         for micro in range(runner.grad_accum):
             x, y = data.batch("train", runner.micro_batch, cfg.seq_len, batch_seed(cfg.seed, step, rank, micro))
-            window.append(runner.train_micro_step(to_device(x, runner.device), to_device(y, runner.device)))
+            probe = (lambda: grads_read.append(runner.gradient_bytes())) if step == start else None
+            window.append(runner.train_micro_step(to_device(x, runner.device), to_device(y, runner.device), probe))
         done = step + 1
         if tracer is not None and (done == trace_first + TRACE_STEPS or done == cfg.max_steps):
             write_trace(tracer, cfg.trace, done - trace_first, say)
@@ -451,6 +512,11 @@ def train(cfg: TrainConfig) -> None:
             state_gb = max_over_ranks(runner.optimizer_state_bytes()) / 1e9
             say(f"optimizer state: {state_gb:.4g} GB on the largest rank", flush=True)
             record(step=done, optimizer_state_gb=state_gb)
+            kinds = runner.state_bytes(grads_read[-1]).as_dict()
+            per_rank = [dict(zip(kinds, v)) for v in gather_over_ranks(list(kinds.values()))]
+            numel = model_numel(runner.model)
+            say("\n".join(training_state_lines(cfg, per_rank, numel)), flush=True)
+            record(step=done, training_state_bytes_per_param={k: sum(r[k] for r in per_rank) / numel for k in kinds})
             if activations and cfg.compile:
                 say("saved activations: quantized inside the compiled blocks (the hooks count only "
                     "what runs eagerly)", flush=True)
@@ -468,11 +534,12 @@ def train(cfg: TrainConfig) -> None:
             mem = max_over_ranks(peak_memory_gb(runner.device))
             skipped = round(mean_over_ranks([torch.tensor(float(runner.nonfinite_groups()), device=runner.device)])
                             * world)
+            util = mfu(tok_s / world, mcfg, cfg.seq_len, peak) if peak else None
             say(f"step {done}/{cfg.max_steps} ({100 * done / cfg.max_steps:3.0f}%) | loss {loss:.4f} | "
-                f"lr {runner.lr():.2e} | {tok_s:,.0f} tok/s | peak mem {mem:.2f} GB (max rank) | eta {eta:.0f}s | "
-                f"non-finite groups skipped {skipped}", flush=True)
+                f"lr {runner.lr():.2e} | {tok_s:,.0f} tok/s{f' | MFU {100 * util:.1f}%' if util else ''} | "
+                f"peak mem {mem:.2f} GB (max rank) | eta {eta:.0f}s | non-finite groups skipped {skipped}", flush=True)
             record(step=done, loss=loss, lr=runner.lr(), tokens_per_s=tok_s, peak_mem_gb=mem,
-                   nonfinite_groups_skipped=skipped)
+                   nonfinite_groups_skipped=skipped, **({"mfu": util} if util else {}))
             t0, window = time.perf_counter(), []
         if (cfg.eval_interval and done % cfg.eval_interval == 0) or done == cfg.max_steps:
             val = evaluate(cfg, runner, data, rank)

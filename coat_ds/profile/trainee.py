@@ -15,7 +15,7 @@ from .._compat.deepspeed import release_zero3_references
 from ..activation import compress_activations
 from ..config import ActivationConfig
 from ..integrations.deepspeed.config import load_ds_config
-from ..integrations.deepspeed.engine import initialize, local_partitions, optimizer_settings
+from ..integrations.deepspeed.engine import engine_gradients, initialize, local_partitions, optimizer_settings
 from ..integrations.fsdp import setup_fsdp
 from ..linear import convert_to_fp8_linear
 from ..models.llama import Llama, ModelConfig
@@ -54,17 +54,6 @@ def load_side(name: str, path: str, fp8_linear: bool = False, step_in_backward: 
         return Side(name, path, {**params, "step_in_backward": True} if step_in_backward else params, {}, fp8_linear)
     # The baseline picks its AdamW implementation by device (fused on CUDA).
     return Side(name, path, None, {k: v for k, v in params.items() if k != "fused"})
-
-
-def _tensors_in(obj, depth: int = 3):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif depth and isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors_in(v, depth - 1)
-    elif depth and isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors_in(v, depth - 1)
 
 
 class Trainee:
@@ -227,17 +216,8 @@ class DeepSpeedTrainee(Trainee):
         return params + [t for t, _ in local_partitions(self.ds)]
 
     def grad_tensors(self):
-        # Gradients live where the ZeRO stage puts them: on the parameters (stage 1, before
-        # reduction), in the optimizer's partition buffers (averaged_gradients, ipg buffers,
-        # stage 3's flat grad partitions) and on the FP32 partitions during the step.
-        zopt = self.ds.optimizer
-        found = [p.grad for p in self.ds.module.parameters()]
-        found += [t.grad for t, _ in local_partitions(self.ds)]
-        for key, value in vars(zopt).items():
-            if "grad" in key.lower():
-                found.extend(_tensors_in(value))
         weights = {t.untyped_storage().data_ptr() for t in self.weight_tensors()}
-        return [t for t in found if t is not None and t.untyped_storage().data_ptr() not in weights]
+        return [t for t in engine_gradients(self.ds) if t.untyped_storage().data_ptr() not in weights]
 
     def optimizer(self):
         return getattr(self.ds.optimizer, "optimizer", self.ds.optimizer)
