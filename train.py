@@ -43,7 +43,7 @@ from coat_ds.integrations.process_group import shutdown_distributed
 from coat_ds.train.engine_setup import clipping_off_note, read_ds_settings
 from coat_ds.integrations.deepspeed.engine import comm_op_build_note, single_process_world
 from coat_ds.integrations.deepspeed.zero3 import compile_zero3_layers
-from coat_ds.memory.training_state import gradient_bytes, model_numel, training_state_bytes
+from coat_ds.memory.training_state import TrainingStateBytes, gradient_bytes, model_numel, training_state_bytes
 from coat_ds.train.metrics import MetricsLog
 from coat_ds.train.mfu import flops_per_token, mfu, peak_flops
 from coat_ds.train.model_start import build_model, materialize, model_start
@@ -320,25 +320,20 @@ def step_in_backward_note(cfg: TrainConfig) -> str | None:
             "gradient and frees that gradient; no clipping")
 
 
-def training_state_lines(cfg: TrainConfig, per_rank: list[dict[str, float]], numel: int) -> list[str]:
-    """The log lines of training-state bytes per parameter: each rank's (its bytes over its
-    share, numel / world) and all ranks' together (their bytes over numel)."""
-    def shown(b: dict[str, float], over: float) -> str:
-        per = {k: v / over for k, v in b.items()}
-        return (f"master {per['master']:.2f} | optimizer {per['optimizer']:.2f} | gradients {per['gradients']:.2f} | "
-                f"compute copies {per['compute']:.2f} | total {sum(per.values()):.2f}")
-
+def training_state_lines(cfg: TrainConfig, per_rank: list[TrainingStateBytes], numel: int, step: int) -> list[str]:
+    """The log lines of training-state bytes per parameter read at `step`: each rank's (its
+    bytes over its share, numel / world) and all ranks' together (their bytes over numel)."""
     world = len(per_rank)
-    total = {k: sum(r[k] for r in per_rank) for k in per_rank[0]}
+    total = TrainingStateBytes.sum(per_rank)
     grads = "gradients read after its backward"
     if cfg.step_in_backward:
         clip = gradient_clipping(load_ds_config(cfg.deepspeed))
         grads += (", stepping in backward: the BF16 copies held for the clipped step" if clip else
                   ", stepping in backward: each freed once stepped")
     lines = [f"training state, bytes per parameter, read from the live tensors (weights and optimizer state after "
-             f"step 1, {grads}):"]
-    lines += [f"  rank {r}: {shown(b, numel / world)} ({sum(b.values()) / 1e9:.4g} GB)" for r, b in enumerate(per_rank)]
-    return lines + [f"  all ranks: {shown(total, numel)} ({sum(total.values()) / 1e9:.4g} GB for {numel:,} parameters)"]
+             f"step {step}, {grads}):"]
+    lines += [f"  rank {r}: {b.describe(numel / world)} ({b.total / 1e9:.4g} GB)" for r, b in enumerate(per_rank)]
+    return lines + [f"  all ranks: {total.describe(numel)} ({total.total / 1e9:.4g} GB for {numel:,} parameters)"]
 
 
 def mfu_note(mcfg, seq_len: int, device: torch.device) -> tuple[float | None, str]:
@@ -512,11 +507,11 @@ def train(cfg: TrainConfig) -> None:
             state_gb = max_over_ranks(runner.optimizer_state_bytes()) / 1e9
             say(f"optimizer state: {state_gb:.4g} GB on the largest rank", flush=True)
             record(step=done, optimizer_state_gb=state_gb)
-            kinds = runner.state_bytes(grads_read[-1]).as_dict()
-            per_rank = [dict(zip(kinds, v)) for v in gather_over_ranks(list(kinds.values()))]
+            mine = runner.state_bytes(grads_read[-1])
+            per_rank = [TrainingStateBytes(*map(int, v)) for v in gather_over_ranks(list(mine.as_dict().values()))]
             numel = model_numel(runner.model)
-            say("\n".join(training_state_lines(cfg, per_rank, numel)), flush=True)
-            record(step=done, training_state_bytes_per_param={k: sum(r[k] for r in per_rank) / numel for k in kinds})
+            say("\n".join(training_state_lines(cfg, per_rank, numel, done)), flush=True)
+            record(step=done, training_state_bytes_per_param=TrainingStateBytes.sum(per_rank).per_param(numel))
             if activations and cfg.compile:
                 say("saved activations: quantized inside the compiled blocks (the hooks count only "
                     "what runs eagerly)", flush=True)

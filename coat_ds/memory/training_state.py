@@ -30,6 +30,11 @@ class TrainingStateBytes:
     gradients: int  # alive after backward, before the step: the parameters', the engine's, those held for the step
     compute: int  # weights kept for compute beside the masters (DeepSpeed's BF16 parameters); FSDP2 gathers them per layer only while used
 
+    @classmethod
+    def sum(cls, states: Iterable["TrainingStateBytes"]) -> "TrainingStateBytes":
+        """Each kind summed over `states` (several ranks')."""
+        return cls(*(sum(v) for v in zip(*(s.as_dict().values() for s in states))))
+
     @property
     def total(self) -> int:
         return self.master + self.optimizer + self.gradients + self.compute
@@ -37,9 +42,15 @@ class TrainingStateBytes:
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
-    def per_param(self, numel: int) -> dict[str, float]:
+    def per_param(self, numel: float) -> dict[str, float]:
         """Each kind, and the total, over `numel` parameters."""
         return {k: v / numel for k, v in {**self.as_dict(), "total": self.total}.items()}
+
+    def describe(self, numel: float) -> str:
+        """Bytes per parameter over `numel` parameters, as logs show them."""
+        per = self.per_param(numel)
+        return (f"master {per['master']:.2f} | optimizer {per['optimizer']:.2f} | gradients {per['gradients']:.2f} | "
+                f"compute copies {per['compute']:.2f} | total {per['total']:.2f}")
 
 
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -18,6 +18,7 @@ from ..integrations.deepspeed.config import load_ds_config
 from ..integrations.deepspeed.engine import engine_gradients, initialize, local_partitions, optimizer_settings
 from ..integrations.fsdp import setup_fsdp
 from ..linear import convert_to_fp8_linear
+from ..memory.training_state import TrainingStateBytes, gradient_bytes, training_state_bytes
 from ..models.llama import Llama, ModelConfig
 from ..optim import CoatAdamW
 from ..optim.state import state_bytes
@@ -97,6 +98,15 @@ class Trainee:
         # codes, scales, k and centres (plus FP32 moments of tiny tensors) for CoatAdamW.
         # Storages count once: ZeRO may keep states as views of flat buffers.
         return state_bytes(*self.optimizer().state.values(), storages=True)
+
+    def live_gradient_bytes(self) -> int:
+        """Gradient bytes held now (after backward): `grad_tensors` and those the optimizer
+        keeps for its step (`coat_ds.memory.training_state.gradient_bytes`)."""
+        return gradient_bytes(self.model, self.optimizer(), self.grad_tensors())
+
+    def training_state(self, gradients: int) -> TrainingStateBytes:
+        """This rank's training state by kind, read after a step; `gradients`: `live_gradient_bytes` after its backward."""
+        return training_state_bytes(self.model, self.optimizer(), gradients)
 
     def close(self) -> None:
         if self.activations is not None:
@@ -221,6 +231,10 @@ class DeepSpeedTrainee(Trainee):
 
     def optimizer(self):
         return getattr(self.ds.optimizer, "optimizer", self.ds.optimizer)
+
+    def training_state(self, gradients: int) -> TrainingStateBytes:
+        # Between steps ZeRO-3's optimizer holds no param groups' tensors: the masters are the FP32 partitions.
+        return training_state_bytes(self.ds.module, self.optimizer(), gradients, [t for t, _ in local_partitions(self.ds)])
 
     def close(self):
         super().close()
