@@ -43,7 +43,7 @@ from coat_ds.integrations.process_group import shutdown_distributed
 from coat_ds.train.engine_setup import clipping_off_note, read_ds_settings
 from coat_ds.integrations.deepspeed.engine import comm_op_build_note, single_process_world
 from coat_ds.integrations.deepspeed.zero3 import compile_zero3_layers
-from coat_ds.memory.training_state import TrainingStateBytes, gradient_bytes, model_numel, training_state_bytes
+from coat_ds.memory.training_state import TrainingStateBytes, gradient_bytes, training_state_bytes
 from coat_ds.train.metrics import MetricsLog
 from coat_ds.train.mfu import flops_per_token, mfu, peak_flops
 from coat_ds.train.model_start import build_model, materialize, model_start
@@ -509,7 +509,7 @@ def train(cfg: TrainConfig) -> None:
             record(step=done, optimizer_state_gb=state_gb)
             mine = runner.state_bytes(grads_read[-1])
             per_rank = [TrainingStateBytes(*map(int, v)) for v in gather_over_ranks(list(mine.as_dict().values()))]
-            numel = model_numel(runner.model)
+            numel = mcfg.num_params()  # FSDP1's parameters are flat pieces: their shapes do not say it
             say("\n".join(training_state_lines(cfg, per_rank, numel, done)), flush=True)
             record(step=done, training_state_bytes_per_param=TrainingStateBytes.sum(per_rank).per_param(numel))
             if activations and cfg.compile:

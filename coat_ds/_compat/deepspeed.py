@@ -300,13 +300,17 @@ def zero3_partitioned(param: torch.Tensor) -> bool:
     return hasattr(param, "ds_id") or param.numel() == 0
 
 
-def zero3_local_range(param: torch.Tensor) -> tuple[torch.Tensor, int, int, torch.Tensor | None]:
+def zero3_local_range(param: torch.Tensor) -> tuple[torch.Tensor, int, int, torch.Tensor | None] | None:
     """(this rank's elements of a ZeRO-3 parameter as a flat tensor, the flat index of the
     first, the parameter's numel, the partition's padding past its end or None), read from
     `ds_tensor` (the partition: the same numel on every rank of `ds_process_group`, rank r's
-    starting at r times it) and `ds_numel`. No fallback: `DeepSpeedInternalsError`."""
+    starting at r times it) and `ds_numel`; None for a tensor ZeRO-3 does not partition (its
+    FP32 flat partitions carry a `ds_id` too, but hold their data). No fallback for a
+    partitioned parameter (`ds_id`, no data) without them: `DeepSpeedInternalsError`."""
     part, numel, group = (getattr(param, a, None) for a in ("ds_tensor", "ds_numel", "ds_process_group"))
     if part is None or numel is None:
+        if not (hasattr(param, "ds_id") and param.numel() == 0):
+            return None
         raise _missing("initialising ZeRO-3 partitions in place", "Parameter.ds_tensor and Parameter.ds_numel")
     import deepspeed.comm as ds_dist
 

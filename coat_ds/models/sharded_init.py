@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .._compat.deepspeed import zero3_local_range, zero3_partitioned
+from .._compat.deepspeed import zero3_local_range
 
 __all__ = ["BLOCK_NUMEL", "LocalRange", "fill_normal", "local_range", "init_local_shards"]
 
@@ -79,8 +79,9 @@ def local_range(p: torch.Tensor) -> LocalRange:
     if isinstance(p, DTensor):
         local = p.to_local()
         return LocalRange(local.view(-1), _dtensor_offset(p) * math.prod(p.shape[1:]), p.numel(), None)
-    if zero3_partitioned(p):
-        return LocalRange(*zero3_local_range(p))
+    partition = zero3_local_range(p)
+    if partition is not None:
+        return LocalRange(*partition)
     return LocalRange(p.data.view(-1), 0, p.numel(), None)
 
 
