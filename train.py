@@ -43,9 +43,9 @@ from coat_ds.integrations.process_group import shutdown_distributed
 from coat_ds.train.engine_setup import clipping_off_note, read_ds_settings
 from coat_ds.integrations.deepspeed.engine import comm_op_build_note, single_process_world
 from coat_ds.integrations.deepspeed.zero3 import compile_zero3_layers
-from coat_ds.memory.training_state import TrainingStateBytes, gradient_bytes, training_state_bytes
+from coat_ds.memory.training_state import TrainingStateBytes, gradient_bytes, per_rank_lines, training_state_bytes
 from coat_ds.train.metrics import MetricsLog
-from coat_ds.train.mfu import flops_per_token, mfu, peak_flops
+from coat_ds.train.mfu import mfu, mfu_note
 from coat_ds.train.model_start import build_model, materialize, model_start
 from coat_ds.models.llama import model_config
 from coat_ds.train.config import TrainConfig, checkpoint_plan, parse_config, step_in_backward_refusal
@@ -320,31 +320,13 @@ def step_in_backward_note(cfg: TrainConfig) -> str | None:
             "gradient and frees that gradient; no clipping")
 
 
-def training_state_lines(cfg: TrainConfig, per_rank: list[TrainingStateBytes], numel: int, step: int) -> list[str]:
-    """The log lines of training-state bytes per parameter read at `step`: each rank's (its
-    bytes over its share, numel / world) and all ranks' together (their bytes over numel)."""
-    world = len(per_rank)
-    total = TrainingStateBytes.sum(per_rank)
-    grads = "gradients read after its backward"
-    if cfg.step_in_backward:
-        clip = gradient_clipping(load_ds_config(cfg.deepspeed))
-        grads += (", stepping in backward: the BF16 copies held for the clipped step" if clip else
-                  ", stepping in backward: each freed once stepped")
-    lines = [f"training state, bytes per parameter, read from the live tensors (weights and optimizer state after "
-             f"step {step}, {grads}):"]
-    lines += [f"  rank {r}: {b.describe(numel / world)} ({b.total / 1e9:.4g} GB)" for r, b in enumerate(per_rank)]
-    return lines + [f"  all ranks: {total.describe(numel)} ({total.total / 1e9:.4g} GB for {numel:,} parameters)"]
-
-
-def mfu_note(mcfg, seq_len: int, device: torch.device) -> tuple[float | None, str]:
-    """(the dense BF16 peak MFU is measured against or None, the log line saying how)."""
-    peak, name = peak_flops(device)
-    per_token = flops_per_token(mcfg, seq_len)
-    if peak is None:
-        return None, (f"MFU: not reported: no dense BF16 peak known for {name} (the table: coat_ds/train/mfu.py); "
-                      f"model FLOPs per token {per_token / 1e9:.4g} G")
-    return peak, (f"MFU: model FLOPs per token 6 x params (input embedding left out) + 12 x layers x dim x seq_len = "
-                  f"{per_token / 1e9:.4g} G, over {name}'s dense BF16 peak of {peak / 1e12:.0f} TFLOP/s per GPU")
+def in_backward_gradients(cfg: TrainConfig) -> str:
+    """What the training-state line's gradients are when CoatAdamW steps in backward."""
+    if not cfg.step_in_backward:
+        return ""
+    if gradient_clipping(load_ds_config(cfg.deepspeed)):
+        return "; stepping in backward: the BF16 copies held for the clipped step"
+    return "; stepping in backward: each freed once stepped"
 
 
 # Settings that change what each step computes: a resume may change them, and the log says so.
@@ -510,7 +492,9 @@ def train(cfg: TrainConfig) -> None:
             mine = runner.state_bytes(grads_read[-1])
             per_rank = [TrainingStateBytes(*map(int, v)) for v in gather_over_ranks(list(mine.as_dict().values()))]
             numel = mcfg.num_params()  # FSDP1's parameters are flat pieces: their shapes do not say it
-            say("\n".join(training_state_lines(cfg, per_rank, numel, done)), flush=True)
+            say(f"training state, bytes per parameter, read from the live tensors (weights and optimizer state after "
+                f"step {done}, gradients after its backward{in_backward_gradients(cfg)}):", flush=True)
+            say("\n".join(per_rank_lines(per_rank, numel)), flush=True)
             record(step=done, training_state_bytes_per_param=TrainingStateBytes.sum(per_rank).per_param(numel))
             if activations and cfg.compile:
                 say("saved activations: quantized inside the compiled blocks (the hooks count only "

@@ -14,9 +14,10 @@ import torch
 from coat_ds.models.llama import Llama, ModelConfig
 from coat_ds.models.sharded_init import BLOCK_NUMEL, fill_normal, init_local_shards
 
-# 4 ranks, 1.62e9 parameters: 6.5 GB of FP32 weights, 26 GB were every rank to build them
-# (more than the 24 GiB of the machines the suite runs on), 1.6 GB of shards per rank. Four
-# ranks rather than two keep the shards the test allocates at a quarter of the model.
+# Built whole on each of the 4 ranks, its FP32 weights would exceed the memory of the machines
+# the suite runs on (docs/deepspeed.md, "Model start"); its shards, a quarter of it per rank,
+# fit well. Four ranks rather than two: the model need only exceed a quarter of the memory, not
+# half, so what the ranks allocate in all (the model, once) stays well within it.
 WIDE = ModelConfig(vocab_size=256, dim=4096, n_layers=8, n_heads=32, ffn_dim=11008, max_seq_len=16)
 RANKS = 4
 # Beyond its shards, a rank's build may hold two blocks of drawn values and the allocator's slack.

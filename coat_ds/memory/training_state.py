@@ -18,7 +18,8 @@ from ..models.sharded_init import local_range
 from ..optim.state import state_bytes
 from .tensors import local_tensor, unique_storage_bytes
 
-__all__ = ["TrainingStateBytes", "held_gradients", "gradient_bytes", "training_state_bytes", "model_numel"]
+__all__ = ["TrainingStateBytes", "held_gradients", "gradient_bytes", "training_state_bytes", "model_numel",
+           "per_rank_lines"]
 
 
 @dataclass(frozen=True)
@@ -109,3 +110,11 @@ def training_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, gra
 def model_numel(model: nn.Module) -> int:
     """Elements of the whole model (sharded or partitioned parameters counted whole)."""
     return sum(local_range(p).numel for p in model.parameters())
+
+
+def per_rank_lines(per_rank: list[TrainingStateBytes], numel: int) -> list[str]:
+    """Log lines of bytes per parameter: each rank's (its bytes over its share, numel over the
+    ranks), then all ranks' together (their bytes over numel)."""
+    total = TrainingStateBytes.sum(per_rank)
+    lines = [f"  rank {r}: {b.describe(numel / len(per_rank))} ({b.total / 1e9:.4g} GB)" for r, b in enumerate(per_rank)]
+    return lines + [f"  all ranks: {total.describe(numel)} ({total.total / 1e9:.4g} GB for {numel:,} parameters)"]

@@ -15,12 +15,13 @@ import torch
 
 from ..models.llama import ModelConfig
 
-__all__ = ["PEAK_BF16_FLOPS", "flops_per_token", "peak_of", "peak_flops", "mfu"]
+__all__ = ["PEAK_BF16_FLOPS", "flops_per_token", "peak_of", "peak_flops", "mfu", "mfu_note"]
 
-# Dense BF16 tensor-core peak by device name (torch.cuda.get_device_name), first match.
+# Dense BF16 tensor-core peak by device name (torch.cuda.get_device_name), first match: the
+# SXM parts; PCIe and NVL parts, of lower peaks, match none.
 PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
-    (r"H100 (80GB HBM3|SXM)", 989e12),  # H100 SXM
-    (r"H200(?! NVL)", 989e12),  # H200 SXM
+    (r"H100 (80GB HBM3|SXM)", 989e12),
+    (r"H200(?! NVL)", 989e12),
     (r"A100", 312e12),
 )
 
@@ -48,3 +49,14 @@ def peak_flops(device: torch.device) -> tuple[float | None, str]:
 def mfu(tokens_per_s_per_gpu: float, cfg: ModelConfig, seq_len: int, peak: float) -> float:
     """Share of `peak` (FLOP/s) that `tokens_per_s_per_gpu` of model work is."""
     return tokens_per_s_per_gpu * flops_per_token(cfg, seq_len) / peak
+
+
+def mfu_note(mcfg: ModelConfig, seq_len: int, device: torch.device) -> tuple[float | None, str]:
+    """(the dense BF16 peak MFU is measured against or None, the log line saying how)."""
+    peak, name = peak_flops(device)
+    per_token = flops_per_token(mcfg, seq_len)
+    if peak is None:
+        return None, (f"MFU: not reported: no dense BF16 peak known for {name} (the table: coat_ds/train/mfu.py); "
+                      f"model FLOPs per token {per_token / 1e9:.4g} G")
+    return peak, (f"MFU: model FLOPs per token 6 x params (input embedding left out) + 12 x layers x dim x seq_len = "
+                  f"{per_token / 1e9:.4g} G, over {name}'s dense BF16 peak of {peak / 1e12:.0f} TFLOP/s per GPU")
