@@ -73,7 +73,7 @@ def lr_factor(cfg: TrainConfig, step: int) -> float:
 class Runner:
     """What the training loop needs from an engine."""
 
-    train_micro_step: Callable  # (x, y, probe=None) -> loss; the engine decides when the optimizer steps (probe() runs between backward and a step)
+    train_micro_step: Callable  # (x, y, probe=None) -> loss; the engine decides when the optimizer steps (probe() runs after backward, before the step of a step's last micro-batch)
     eval_loss: Callable  # (x, y) -> loss without gradients
     save: Callable  # (save_dir, tag, client_state) -> None; the checkpoint appears only once complete
     load: Callable  # (checkpoint or save folder) -> (checkpoint folder loaded, client_state)
@@ -479,7 +479,8 @@ def train(cfg: TrainConfig) -> None:
             tracer = start_trace(runner.device)
         for micro in range(runner.grad_accum):
             x, y = data.batch("train", runner.micro_batch, cfg.seq_len, batch_seed(cfg.seed, step, rank, micro))
-            probe = (lambda: grads_read.append(runner.gradient_bytes())) if step == start else None
+            last = step == start and micro == runner.grad_accum - 1
+            probe = (lambda: grads_read.append(runner.gradient_bytes())) if last else None
             window.append(runner.train_micro_step(to_device(x, runner.device), to_device(y, runner.device), probe))
         done = step + 1
         if tracer is not None and (done == trace_first + TRACE_STEPS or done == cfg.max_steps):
