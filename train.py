@@ -45,8 +45,11 @@ from coat_ds.integrations.process_group import shutdown_distributed
 from coat_ds.train.engine_setup import clipping_off_note, read_ds_settings
 from coat_ds.integrations.deepspeed.engine import comm_op_build_note, single_process_world
 from coat_ds.integrations.deepspeed.zero3 import compile_zero3_layers
+from coat_ds.memory.training_state import TrainingStateBytes, gradient_bytes, per_rank_lines, training_state_bytes
 from coat_ds.train.metrics import MetricsLog
-from coat_ds.models.llama import Llama, model_config
+from coat_ds.train.mfu import mfu, mfu_note
+from coat_ds.train.model_start import build_model, materialize, model_start
+from coat_ds.models.llama import model_config
 from coat_ds.train.config import TrainConfig, checkpoint_plan, data_config, parse_config, step_in_backward_refusal
 from coat_ds.optim import nonfinite_groups
 from coat_ds.plan import apply_plan, compile_layer
@@ -73,7 +76,7 @@ def lr_factor(cfg: TrainConfig, step: int) -> float:
 class Runner:
     """What the training loop needs from an engine."""
 
-    train_micro_step: Callable  # (x, y) -> loss; the engine decides when the optimizer steps
+    train_micro_step: Callable  # (x, y, probe=None) -> loss; the engine decides when the optimizer steps (probe() runs after backward, before the step of a step's last micro-batch)
     eval_loss: Callable  # (x, y) -> loss without gradients
     save: Callable  # (save_dir, tag, client_state) -> None; the checkpoint appears only once complete
     load: Callable  # (checkpoint or save folder) -> (checkpoint folder loaded, client_state)
@@ -83,6 +86,9 @@ class Runner:
     micro_batch: int  # sequences per rank per micro-step
     grad_accum: int  # micro-steps per optimizer step
     device: torch.device
+    model: torch.nn.Module  # the module trained: its parameters are this rank's (shards, partitions)
+    gradient_bytes: Callable  # () -> bytes of gradients this rank holds now (read after backward)
+    state_bytes: Callable  # (gradient bytes) -> TrainingStateBytes of this rank (read after a step)
 
 
 def eval_loss_of(module: torch.nn.Module) -> Callable:
@@ -98,16 +104,18 @@ def eval_loss_of(module: torch.nn.Module) -> Callable:
 
 def setup_deepspeed(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
     from coat_ds.train.engine_setup import optimizer_state_bytes
-    from coat_ds.integrations.deepspeed.engine import initialize
+    from coat_ds.integrations.deepspeed.engine import engine_gradients, initialize, local_partitions
     from coat_ds.integrations.deepspeed.checkpoint import load_checkpoint, save_checkpoint
 
     engine, _, _, _ = initialize(
         model=model, config=cfg.deepspeed,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(cfg, s)))
 
-    def train_micro_step(x, y):
+    def train_micro_step(x, y, probe=None):
         loss = engine(x, y)
         engine.backward(loss)
+        if probe:
+            probe()
         engine.step()
         return loss
 
@@ -122,7 +130,10 @@ def setup_deepspeed(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
                   optimizer_state_bytes=lambda: optimizer_state_bytes(base_optimizer),
                   nonfinite_groups=lambda: nonfinite_groups(base_optimizer),
                   micro_batch=engine.train_micro_batch_size_per_gpu(),
-                  grad_accum=engine.gradient_accumulation_steps(), device=engine.device)
+                  grad_accum=engine.gradient_accumulation_steps(), device=engine.device, model=engine.module,
+                  gradient_bytes=lambda: gradient_bytes(engine.module, base_optimizer, engine_gradients(engine)),
+                  state_bytes=lambda grads: training_state_bytes(engine.module, base_optimizer, grads,
+                                                                 [t for t, _ in local_partitions(engine)]))
 
 
 def setup_fsdp_engine(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
@@ -134,13 +145,15 @@ def setup_fsdp_engine(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
     ds = read_ds_settings(cfg.deepspeed, dist.get_world_size())
     # As under DeepSpeed's bf16: FP32 master weights and optimizer, BF16 compute, FP32 reduction.
     model = setup_fsdp(model, mode=cfg.fsdp_mode, param_dtype=torch.bfloat16 if ds.bf16 else None)
+    if next(model.parameters()).is_meta:  # meta_start: this rank's shards get storage and values now
+        materialize(model, train_device(), cfg.seed)
     # Stepping in backward, CoatAdamW clips itself (the gradients are gone once backward ends).
     in_backward = dict(step_in_backward=True, max_grad_norm=ds.clip or None) if cfg.step_in_backward else {}
     optim = build_optimizer(ds, model.parameters(), **in_backward)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: lr_factor(cfg, s))
     micro_steps = 0
 
-    def train_micro_step(x, y):
+    def train_micro_step(x, y, probe=None):
         nonlocal micro_steps
         micro_steps += 1
         last = micro_steps % ds.grad_accum == 0
@@ -149,6 +162,8 @@ def setup_fsdp_engine(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
         with optim.accumulating() if in_backward and not last else contextlib.nullcontext():
             (loss / ds.grad_accum).backward()  # the mean over the accumulated micro-batches, as DeepSpeed does
         if last:
+            if probe:
+                probe()
             if ds.clip and not in_backward:
                 clip_grad_norm_(model, ds.clip, sync=False)  # the norm is not read: no wait for the GPU
             optim.step()
@@ -173,7 +188,9 @@ def setup_fsdp_engine(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
                   load=load, lr=lambda: optim.param_groups[0]["lr"],
                   optimizer_state_bytes=lambda: optimizer_state_bytes(optim),
                   nonfinite_groups=lambda: nonfinite_groups(optim),
-                  micro_batch=ds.micro_batch, grad_accum=ds.grad_accum, device=train_device())
+                  micro_batch=ds.micro_batch, grad_accum=ds.grad_accum, device=train_device(), model=model,
+                  gradient_bytes=lambda: gradient_bytes(model, optim),
+                  state_bytes=lambda grads: training_state_bytes(model, optim, grads))
 
 
 def train_device() -> torch.device:
@@ -252,6 +269,18 @@ def max_over_ranks(value: float) -> float:
     return t.item()
 
 
+def gather_over_ranks(values: list[float]) -> list[list[float]]:
+    """`values` of every rank, in rank order."""
+    t = torch.tensor(values, dtype=torch.float64)
+    if not dist.is_initialized():
+        return [t.tolist()]
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return [o.tolist() for o in out]
+
+
 def mean_over_ranks(values: list[torch.Tensor]) -> float:
     t = torch.stack([v.detach().float() for v in values]).mean()
     if dist.is_initialized():
@@ -292,6 +321,15 @@ def step_in_backward_note(cfg: TrainConfig) -> str | None:
                 "(2 of 4 bytes per parameter saved; gradient_clipping 0 steps inside backward and saves all 4)")
     return ("step in backward: ON: CoatAdamW steps each parameter as soon as FSDP2 has reduce-scattered its "
             "gradient and frees that gradient; no clipping")
+
+
+def in_backward_gradients(cfg: TrainConfig) -> str:
+    """What the training-state line's gradients are when CoatAdamW steps in backward."""
+    if not cfg.step_in_backward:
+        return ""
+    if gradient_clipping(load_ds_config(cfg.deepspeed)):
+        return "; stepping in backward: the BF16 copies held for the clipped step"
+    return "; stepping in backward: each freed once stepped"
 
 
 # Settings that change what each step computes: a resume may change them, and the log says so.
@@ -357,12 +395,11 @@ def train(cfg: TrainConfig) -> None:
     data = load_data(data_cfg, log=lambda line: print(line, flush=True))  # a corpus's build: the rank doing it
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     mcfg = model_config(cfg.preset, vocab_size=max(256, data.vocab_size), max_seq_len=max(cfg.seq_len, 1))
-    # Initialised where it trains: a 7B model's CPU init takes minutes per rank (one OpenMP
-    # thread each under a launcher).
-    with torch.device(train_device()):
-        model = Llama(mcfg)
-    say(f"data: {data.description}\nmodel: {cfg.preset}, {mcfg.num_params() / 1e6:.2f}M params", flush=True)
     ds = read_ds_settings(cfg.deepspeed, world, engine=cfg.engine)
+    start = model_start(cfg, ds)
+    say(start.note, flush=True)
+    model = build_model(start, mcfg, cfg.seed, train_device(), cfg.deepspeed)
+    say(f"data: {data.description}\nmodel: {cfg.preset}, {mcfg.num_params() / 1e6:.2f}M params", flush=True)
     fp8_config = Fp8LinearConfig(keep_weight_codes=cfg.fp8_keep_weight_codes)
     # Model edits on the unsharded modules, before either engine wraps them; the handle counts bytes.
     if cfg.recipe:
@@ -412,6 +449,8 @@ def train(cfg: TrainConfig) -> None:
     tokens_per_step = runner.micro_batch * runner.grad_accum * cfg.seq_len * world
     say(f"{world} rank(s), micro-batch {runner.micro_batch} x grad-accum {runner.grad_accum} x seq {cfg.seq_len}: "
         f"{tokens_per_step:,} tokens/step", flush=True)
+    peak, note = mfu_note(mcfg, cfg.seq_len, runner.device)
+    say(note, flush=True)
     metrics = MetricsLog(cfg.metrics_file) if cfg.metrics_file and rank == 0 else None
     if metrics and metrics.last_step:
         say(f"{cfg.metrics_file} already holds steps up to {metrics.last_step}: only later steps are appended",
@@ -440,12 +479,15 @@ def train(cfg: TrainConfig) -> None:
         say(f"tracing steps {trace_first + 1} to {min(trace_first + TRACE_STEPS, cfg.max_steps)} into {cfg.trace} "
             "(their tok/s includes the profiler's cost)", flush=True)
     t0, t_start, window = time.perf_counter(), time.perf_counter(), []
+    grads_read: list[int] = []  # gradient bytes after the first step's backward
     for step in range(start, cfg.max_steps):
         if step == trace_first:
             tracer = start_trace(runner.device)
         for micro in range(runner.grad_accum):
             x, y = data.batch("train", runner.micro_batch, cfg.seq_len, batch_seed(cfg.seed, step, rank, micro))
-            window.append(runner.train_micro_step(to_device(x, runner.device), to_device(y, runner.device)))
+            last = step == start and micro == runner.grad_accum - 1
+            probe = (lambda: grads_read.append(runner.gradient_bytes())) if last else None
+            window.append(runner.train_micro_step(to_device(x, runner.device), to_device(y, runner.device), probe))
         done = step + 1
         if tracer is not None and (done == trace_first + TRACE_STEPS or done == cfg.max_steps):
             write_trace(tracer, cfg.trace, done - trace_first, say)
@@ -454,6 +496,13 @@ def train(cfg: TrainConfig) -> None:
             state_gb = max_over_ranks(runner.optimizer_state_bytes()) / 1e9
             say(f"optimizer state: {state_gb:.4g} GB on the largest rank", flush=True)
             record(step=done, optimizer_state_gb=state_gb)
+            mine = runner.state_bytes(grads_read[-1])
+            per_rank = [TrainingStateBytes(*map(int, v)) for v in gather_over_ranks(list(mine.as_dict().values()))]
+            numel = mcfg.num_params()  # FSDP1's parameters are flat pieces: their shapes do not say it
+            say(f"training state, bytes per parameter, read from the live tensors (weights and optimizer state after "
+                f"step {done}, gradients after its backward{in_backward_gradients(cfg)}):", flush=True)
+            say("\n".join(per_rank_lines(per_rank, numel)), flush=True)
+            record(step=done, training_state_bytes_per_param=TrainingStateBytes.sum(per_rank).per_param(numel))
             if activations and cfg.compile:
                 say("saved activations: quantized inside the compiled blocks (the hooks count only "
                     "what runs eagerly)", flush=True)
@@ -471,11 +520,12 @@ def train(cfg: TrainConfig) -> None:
             mem = max_over_ranks(peak_memory_gb(runner.device))
             skipped = round(mean_over_ranks([torch.tensor(float(runner.nonfinite_groups()), device=runner.device)])
                             * world)
+            util = mfu(tok_s / world, mcfg, cfg.seq_len, peak) if peak else None
             say(f"step {done}/{cfg.max_steps} ({100 * done / cfg.max_steps:3.0f}%) | loss {loss:.4f} | "
-                f"lr {runner.lr():.2e} | {tok_s:,.0f} tok/s | peak mem {mem:.2f} GB (max rank) | eta {eta:.0f}s | "
-                f"non-finite groups skipped {skipped}", flush=True)
+                f"lr {runner.lr():.2e} | {tok_s:,.0f} tok/s{f' | MFU {100 * util:.1f}%' if util else ''} | "
+                f"peak mem {mem:.2f} GB (max rank) | eta {eta:.0f}s | non-finite groups skipped {skipped}", flush=True)
             record(step=done, loss=loss, lr=runner.lr(), tokens_per_s=tok_s, peak_mem_gb=mem,
-                   nonfinite_groups_skipped=skipped)
+                   nonfinite_groups_skipped=skipped, **({"mfu": util} if util else {}))
             t0, window = time.perf_counter(), []
         if (cfg.eval_interval and done % cfg.eval_interval == 0) or done == cfg.max_steps:
             val = evaluate(cfg, runner, data, rank)

@@ -106,6 +106,13 @@ def test_components_consistent_and_coat_smaller(plain):
     assert m.weights_bytes == 6 * result["model"]["params"]
     assert m.gradients_bytes == 2 * result["model"]["params"]
     assert m.optimizer_state_bytes == 8 * result["model"]["params"]
+    # The same by kind, read from the live tensors: FP32 masters, AdamW's FP32 moments, BF16
+    # gradients after backward and the BF16 model computing beside the masters.
+    n = result["model"]["params"]
+    assert m.model_numel == n and m.training_state_bytes == {"master": 4 * n, "optimizer": 8 * n, "gradients": 2 * n,
+                                                             "compute": 2 * n}
+    assert ("baseline rank 0, training state in bytes per parameter: master 4.00 | optimizer 8.00 | gradients 2.00 | "
+            "compute copies 2.00 | total 16.00") in result["markdown"]
 
 
 @pytest.mark.slow

@@ -61,6 +61,10 @@ def test_train_py_coat_zero_killed_in_save_resumes(tmp_path, stage):
     # torch all-gather warns no rank.
     assert "untested optimizer" not in out and "FutureWarning" not in out
     assert "bytes/param" in out and "saves" in out  # start-up optimizer-state report
+    assert {2: "model start: the whole model on every rank (ZeRO-2 keeps a full replica of the weights on every "
+               "rank by design)", 3: "model start: inside deepspeed.zero.Init"}[stage] in out
+    # BF16 weights for compute beside the FP32 masters: ZeRO-2's whole model on each of 2 ranks.
+    assert ("compute copies 4.00" in out) == (stage == 2) and "  all ranks: master 4.00 |" in out
     assert "tok/s" in out and "peak mem" in out and "eval loss" in out and "step 12/12 (100%)" in out
     ref = read_metrics(tmp_path / "full.jsonl")  # logged before the save that died
     assert ref[12]["loss"] < ref[2]["loss"] - 0.2

@@ -39,6 +39,8 @@ def test_train_py_fsdp2_killed_in_save_resumes(tmp_path):
                              COAT_DS_CKPT_FAULT=f"rank=1,ckpt=step6,file=.distcp,action=pause,pidfile={pidfile}")
     assert "resolved config:" in out and "engine: fsdp" in out and "fsdp_mode: fsdp2" in out
     assert "2 rank(s), micro-batch 8" in out  # the batch size of the DeepSpeed JSON
+    assert "model start: on the meta device" in out and "MFU: not reported: no dense BF16 peak known for cpu" in out
+    assert "  rank 1: master 4.00 | optimizer 2.25 | gradients 4.00 | compute copies 0.00 | total 10.25" in out
     assert "optimizer state:" in out and "tok/s" in out and "peak mem" in out and "eval loss" in out
     assert "step 6/6 (100%)" in out
     ref = read_metrics(tmp_path / "full.jsonl")

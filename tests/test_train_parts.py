@@ -13,6 +13,7 @@ sys.path.insert(0, ROOT)
 
 import train  # noqa: E402
 from coat_ds.train.data import DataConfig, batch_seed, load_data  # noqa: E402
+from coat_ds.models import llama  # noqa: E402
 from coat_ds.models.llama import PRESETS, Llama, model_config  # noqa: E402
 
 
@@ -85,6 +86,9 @@ def test_model_presets_and_forward():
         assert cfg.dim % cfg.n_heads == 0
     assert 0.9e9 < model_config("1b").num_params() < 1.2e9
     assert 6e9 < model_config("7b").num_params() < 7e9
+    # Llama-2's published sizes at its 32000-token vocabulary (70B: 8 key/value heads).
+    sizes = {"7b": 6_738_415_616, "13b": 13_015_864_320, "70b": 68_976_648_192}
+    assert {n: model_config(n, vocab_size=32000).num_params() for n in sizes} == sizes
     torch.manual_seed(0)
     m = Llama(model_config("tiny", max_seq_len=16))
     assert sum(p.numel() for p in m.parameters()) == m.cfg.num_params()
@@ -97,3 +101,29 @@ def test_model_presets_and_forward():
     assert torch.allclose(m(idx2)[:, :-1], logits[:, :-1])
     loss = m(idx[:, :-1], idx[:, 1:])
     assert abs(loss.item() - torch.log(torch.tensor(256.0)).item()) < 0.5
+
+
+def test_grouped_query_attention_matches_repeated_key_value_heads():
+    """n_kv_heads < n_heads: each key/value head serves n_heads / n_kv_heads consecutive query
+    heads; the same as plain attention over key/value heads repeated that many times."""
+    torch.manual_seed(0)
+    cfg = model_config("tiny", n_heads=8, n_kv_heads=2, max_seq_len=16)
+    m = Llama(cfg)
+    assert sum(p.numel() for p in m.parameters()) == cfg.num_params()
+    attn = m.blocks[0].attn
+    assert attn.wqkv.weight.shape == (cfg.dim + 2 * 2 * cfg.head_dim, cfg.dim)
+    x = torch.randn(2, 16, cfg.dim)
+    cos, sin = llama._rotary(16, cfg.head_dim, cfg.rope_theta, x.device)
+    q, k, v = attn.wqkv(x).split((cfg.dim, cfg.kv_dim, cfg.kv_dim), dim=-1)
+    q, k, v = (t.view(2, 16, -1, cfg.head_dim).transpose(1, 2) for t in (q, k, v))
+    q, k = llama._apply_rotary(q, cos, sin), llama._apply_rotary(k, cos, sin)
+    k, v = k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1)
+    scores = (q @ k.transpose(-1, -2)) / cfg.head_dim ** 0.5
+    scores = scores.masked_fill(torch.ones(16, 16, dtype=torch.bool).triu(1), float("-inf"))
+    want = attn.wo((scores.softmax(-1) @ v).transpose(1, 2).reshape(2, 16, cfg.dim))
+    torch.testing.assert_close(attn(x, cos, sin), want, rtol=1e-5, atol=1e-6)
+    loss = m(torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16)))
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
+    with pytest.raises(ValueError, match="n_kv_heads=3 must divide n_heads=8"):
+        model_config("tiny", n_heads=8, n_kv_heads=3)

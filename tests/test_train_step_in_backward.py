@@ -84,7 +84,12 @@ def test_two_ranks_train_and_resume_bitwise(tmp_path):
                      "4", "--metrics-file", str(tmp_path / "full.jsonl"), timeout=300)
     assert "2 rank(s)" in full.stdout and "step in backward: ON" in full.stdout
     assert "step in backward: ON with gradient_clipping 1" in full.stdout
+    assert "; stepping in backward: the BF16 copies held for the clipped step" in full.stdout
     ref = read_metrics(tmp_path / "full.jsonl")
+    # Read from the live tensors: FP32 master shards, no FP32 gradient, a BF16 copy of each.
+    per_param = ref[1]["training_state_bytes_per_param"]
+    assert (per_param["master"], per_param["gradients"], per_param["compute"]) == (4.0, 2.0, 0.0)
+    assert 2.0 < per_param["optimizer"] < 2.5
     losses = [ref[s]["loss"] for s in (2, 4, 6)]
     assert all(math.isfinite(v) for v in losses) and losses[2] < losses[0]
     # Resumed from step 4, steps 5..6 repeat exactly.

@@ -25,8 +25,8 @@ from . import warn_once
 
 __all__ = ["CHECKED", "DeepSpeedInternalsError", "installed_version", "known_config_words", "zero_tested",
            "mark_zero_tested", "ZeroLayout", "zero_layout", "set_full_fp32_param", "fp32_partitions",
-           "refresh_lp_params", "zero3_param_groups_filled", "release_zero3_references", "zero3_partitioned", "comm_op_build",
-           "unchecked_overflow_norm", "stepping_zero_optimizer"]
+           "refresh_lp_params", "zero3_param_groups_filled", "release_zero3_references", "zero3_partitioned",
+           "zero3_local_range", "comm_op_build", "unchecked_overflow_norm", "stepping_zero_optimizer"]
 
 CHECKED = "0.19.8"
 
@@ -316,6 +316,26 @@ def zero3_partitioned(param: torch.Tensor) -> bool:
     weight is taken as partitioned too, so the answer needs no DeepSpeed import and holds
     where that attribute is renamed."""
     return hasattr(param, "ds_id") or param.numel() == 0
+
+
+def zero3_local_range(param: torch.Tensor) -> tuple[torch.Tensor, int, int, torch.Tensor | None] | None:
+    """(this rank's elements of a ZeRO-3 parameter as a flat tensor, the flat index of the
+    first, the parameter's numel, the partition's padding past its end or None), read from
+    `ds_tensor` (the partition: the same numel on every rank of `ds_process_group`, rank r's
+    starting at r times it) and `ds_numel`; None for a tensor ZeRO-3 does not partition (its
+    FP32 flat partitions carry a `ds_id` too, but hold their data). No fallback for a
+    partitioned parameter (`ds_id`, no data) without them: `DeepSpeedInternalsError`."""
+    part, numel, group = (getattr(param, a, None) for a in ("ds_tensor", "ds_numel", "ds_process_group"))
+    if part is None or numel is None:
+        if not (hasattr(param, "ds_id") and param.numel() == 0):
+            return None
+        raise _missing("initialising ZeRO-3 partitions in place", "Parameter.ds_tensor and Parameter.ds_numel")
+    import deepspeed.comm as ds_dist
+
+    start = part.numel() * ds_dist.get_rank(group=group)
+    flat = part.view(-1)
+    valid = max(0, min(flat.numel(), numel - start))
+    return flat[:valid], start, numel, flat[valid:] if valid < flat.numel() else None
 
 
 _COORDINATOR_CACHE = "_PartitionedParameterCoordinator__params_to_release"

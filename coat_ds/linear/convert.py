@@ -9,7 +9,7 @@ from torch import nn
 
 from ..config import Fp8LinearConfig
 from ..kernels.fp8 import GEMM_ALIGN
-from .layer import Fp8Linear, fp8_gemm_available
+from .layer import Fp8Linear, compute_device, fp8_gemm_available
 
 __all__ = ["convert_to_fp8_linear"]
 
@@ -51,8 +51,7 @@ def _default_filter(model: nn.Module) -> Callable[[nn.Module, str], bool]:
 def _describe_path(model: nn.Module, config: Fp8LinearConfig) -> tuple[int, str]:
     """(log level, what the parameters' device computes): a fallback is a warning, so that
     nobody takes the memory-only path for the fast one."""
-    p = next(model.parameters(), None)
-    dev = p.device if p is not None else torch.device("cpu")
+    dev = compute_device(model)
     if config.fp8_gemm == "off" or (config.fp8_gemm == "auto" and not fp8_gemm_available(dev)):
         why = "fp8_gemm='off'" if config.fp8_gemm == "off" else f"{dev} has no FP8 GEMMs (needs CUDA capability 8.9+)"
         return logging.WARNING, (f"{why}: GEMMs run in the input's precision; the input is still saved in FP8 "

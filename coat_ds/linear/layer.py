@@ -46,6 +46,15 @@ def _tell_small(in_f: int, out_f: int, tokens: int, limit: int) -> None:
                    in_f * out_f * tokens / 1e9, limit / 1e9)
 
 
+def compute_device(model: nn.Module) -> torch.device:
+    """Where `model`'s layers will compute: its first parameter's device; for a model built
+    on the meta device (given storage later, where it trains) the current GPU, else the CPU."""
+    p = next(model.parameters(), None)
+    if p is not None and p.device.type != "meta":
+        return p.device
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def fp8_gemm_available(device: torch.device) -> bool:
     """Whether `torch._scaled_mm` runs FP8 GEMMs on `device`: CUDA compute capability 8.9+
     (fp8.FP8_CAPABILITY) or CPU."""

@@ -1,7 +1,8 @@
 """A Llama-style decoder (RMSNorm, rotary embeddings, SwiGLU, causal SDPA) with size presets.
 
 Small enough to read in one sitting; the presets go from a CPU-sized toy to Llama-2-7B/13B
-shapes so the same script serves tests, the ~1B GPU table and later scaling work.
+shapes (70B with grouped-query attention) so the same script serves tests, the ~1B GPU table
+and scaling work.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class ModelConfig:
     dim: int = 256  # hidden size
     n_layers: int = 4  # transformer blocks
     n_heads: int = 4  # attention heads (dim must divide evenly)
+    n_kv_heads: int = 0  # key/value heads, grouped-query attention (must divide n_heads); 0 = n_heads
     ffn_dim: int = 0  # SwiGLU hidden size; 0 = Llama's rule: 8/3 * dim rounded up to a multiple of 64
     max_seq_len: int = 256  # longest sequence the rotary table is sized for
     norm_eps: float = 1e-5  # RMSNorm epsilon
@@ -34,6 +36,10 @@ class ModelConfig:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
         if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
             raise ValueError(f"dim={self.dim} must split into {self.n_heads} heads of even size")
+        if self.n_kv_heads == 0:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if not isinstance(self.n_kv_heads, int) or self.n_kv_heads < 0 or self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_kv_heads={self.n_kv_heads!r} must divide n_heads={self.n_heads}")
         if self.ffn_dim == 0:
             object.__setattr__(self, "ffn_dim", 64 * math.ceil(8 * self.dim / 3 / 64))
 
@@ -41,12 +47,19 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    @property
+    def kv_dim(self) -> int:
+        """Width of the keys (and of the values): n_kv_heads x head_dim."""
+        return self.n_kv_heads * self.head_dim
+
     def num_params(self) -> int:
-        per_layer = 4 * self.dim * self.dim + 3 * self.dim * self.ffn_dim + 2 * self.dim
+        attention = 2 * self.dim * self.dim + 2 * self.dim * self.kv_dim
+        per_layer = attention + 3 * self.dim * self.ffn_dim + 2 * self.dim
         return self.n_layers * per_layer + 2 * self.vocab_size * self.dim + self.dim
 
 
-# Parameter counts are for vocab_size=256 (byte tokens); the 7b/13b shapes are Llama-2's.
+# Parameter counts are for vocab_size=256 (byte tokens); the 7b/13b/70b shapes are Llama-2's, whose
+# 32000-token vocabulary train.py takes from data tokenised with it (the largest token id + 1).
 PRESETS: dict[str, dict] = {
     "tiny": dict(dim=64, n_layers=2, n_heads=4, max_seq_len=128),  # ~0.14M, CPU tests
     "small": dict(dim=256, n_layers=4, n_heads=4, max_seq_len=256),  # ~3.3M, CPU demo
@@ -56,6 +69,7 @@ PRESETS: dict[str, dict] = {
     "1b": dict(dim=2048, n_layers=20, n_heads=16, ffn_dim=5632, max_seq_len=2048),  # ~1.03B
     "7b": dict(dim=4096, n_layers=32, n_heads=32, ffn_dim=11008, max_seq_len=4096),  # ~6.5B
     "13b": dict(dim=5120, n_layers=40, n_heads=40, ffn_dim=13824, max_seq_len=4096),  # ~12.7B
+    "70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, max_seq_len=4096),  # ~68.5B
 }
 
 
@@ -93,15 +107,21 @@ def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
-        self.wqkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=False)
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        # One GEMM for queries, keys and values: [q | k | v] along the output features.
+        self.wqkv = nn.Linear(cfg.dim, cfg.dim + 2 * cfg.kv_dim, bias=False)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = self.wqkv(x).view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        if self.n_kv_heads == self.n_heads:
+            q, k, v = self.wqkv(x).view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        else:
+            heads = self.wqkv(x).view(b, t, self.n_heads + 2 * self.n_kv_heads, self.head_dim).transpose(1, 2)
+            q, k, v = heads.split((self.n_heads, self.n_kv_heads, self.n_kv_heads), dim=1)
         q, k = _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # Each key/value head serves n_heads / n_kv_heads query heads, without copies of it.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
         return self.wo(y.transpose(1, 2).reshape(b, t, d))
 
 
@@ -153,6 +173,19 @@ class Llama(nn.Module):
     def _init(m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
+
+    def init_std(self, name: str) -> float | None:
+        """The distribution the constructor draws parameter `name` from: N(0, std^2) with the
+        std returned, or None for the norm weights' ones. Names as `named_parameters` gives
+        them, which FSDP2, ZeRO-3 and coat_ds.prepare keep; for initialising a model built
+        on the meta device shard by shard (coat_ds.models.sharded_init)."""
+        if name.endswith("norm.weight"):
+            return None
+        if name.endswith(("wo.weight", "w_down.weight")):
+            return 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        if name.endswith(("embed.weight", "head.weight", "wqkv.weight", "w_gate.weight", "w_up.weight")):
+            return 0.02
+        raise ValueError(f"no initial distribution known for parameter {name!r} of a Llama")
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (batch, seq, vocab), or the loss when `targets` is given."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..models.sharded_init import local_range
+
 __all__ = ["decoder_layers", "vocab_size_of", "training_loss"]
 
 
@@ -13,7 +15,7 @@ def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     best, best_params = None, 0
     for fqn, m in model.named_modules():
         if isinstance(m, nn.ModuleList) and len(m):
-            n = sum(p.numel() for p in m.parameters())
+            n = sum(local_range(p).numel for p in m.parameters())  # whole: ZeRO-3 built them partitioned
             if n > best_params:
                 best, best_params = (fqn, m), n
     if best is None:

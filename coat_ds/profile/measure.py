@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..memory import meter_for, resident_bytes, saved_tensor_bytes, unique_storage_bytes
+from ..memory.training_state import model_numel
 from ..plan.measure import in_backward_grad_bytes, steps_in_backward
 from .trainee import Trainee
 
@@ -58,6 +59,10 @@ class SideMeasurement:
     # Optimizer stepping in backward: the most gradient bytes it holds during backward (one
     # bucket plus the largest parameter's gradient, at most every gradient); else 0.
     in_backward_gradient_bytes: int = 0
+    # By kind, read from the live tensors (coat_ds.memory.training_state): master, optimizer,
+    # gradients (after backward, those held for the step included), compute copies.
+    training_state_bytes: dict | None = None
+    model_numel: int = 0  # the whole model's parameters, which the bytes per parameter divide by
 
     @property
     def fixed_bytes(self) -> int:
@@ -173,6 +178,7 @@ def _measured_step(trainee: Trainee, batch: int, seq_len: int, vocab: int, seed:
         trainee.backward(loss)
         backward_peak = meter.peak
         grads = unique_storage_bytes(trainee.grad_tensors())
+        live = trainee.live_gradient_bytes()
         del loss
         if trainee.device.type != "cuda":
             # The CPU tracker would trace every op of the optimizer's pure-torch reference
@@ -183,7 +189,7 @@ def _measured_step(trainee: Trainee, batch: int, seq_len: int, vocab: int, seed:
     finally:
         meter.stop()
     point = ActivationPoint(batch, hooks, uncompressed, forward_peak, after_forward, backward_peak, step_peak, resident)
-    return point, grads
+    return point, grads, live
 
 
 def all_ranks_agree(ok: bool, device: torch.device) -> bool:
@@ -229,7 +235,7 @@ def measure_side(trainee: Trainee, batches: tuple[int, int], seq_len: int, vocab
     name = trainee.side.name
     say(f"[{name}] warm-up step at micro-batch {batches[0]} (allocates optimizer state and engine buffers)")
     train_step(trainee, batches[0], seq_len, vocab, seed)
-    points, grads = [], 0
+    points, grads, live = [], 0, 0
     for b in batches:
         say(f"[{name}] measuring a step at micro-batch {b}")
         if points and trainee.device.type == "cuda":
@@ -241,7 +247,7 @@ def measure_side(trainee: Trainee, batches: tuple[int, int], seq_len: int, vocab
                 break
         else:
             measured = _measured_step(trainee, b, seq_len, vocab, seed)
-        point, grads = measured
+        point, grads, live = measured
         points.append(point)
     opt = trainee.optimizer()
     in_bwd = in_backward_grad_bytes(opt) if steps_in_backward(opt) else 0
@@ -250,4 +256,5 @@ def measure_side(trainee: Trainee, batches: tuple[int, int], seq_len: int, vocab
         weights_bytes=unique_storage_bytes(trainee.weight_tensors()),
         gradients_bytes=grads,
         optimizer_state_bytes=trainee.optimizer_state_bytes(),
-        points=tuple(points), in_backward_gradient_bytes=in_bwd)
+        points=tuple(points), in_backward_gradient_bytes=in_bwd,
+        training_state_bytes=trainee.training_state(live).as_dict(), model_numel=model_numel(trainee.model))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 from ..io.atomic import atomic_write
+from ..memory.training_state import TrainingStateBytes
 
 __all__ = ["markdown_table", "write_json", "write_markdown", "chart_stacks", "write_chart", "CHART_SIZE_PX",
            "COMPONENTS"]
@@ -55,7 +56,21 @@ def markdown_table(result: dict) -> str:
                  f"budget {_gb(result['budget_bytes'])} GB ({result['search']}). Meter: {result['meter']}.")
     lines += [_in_backward_note(name, result["sides"][name]) for name in ("baseline", "coat")
               if result["sides"][name].get("step_in_backward")]
-    return "\n".join(lines)
+    return "\n".join(lines + _training_state_lines(result))
+
+
+def _training_state_lines(result: dict) -> list[str]:
+    """Bytes per parameter of each rank's share (the model's parameters over the ranks), read
+    from the live tensors after the last measured step (gradients after its backward)."""
+    lines = []
+    for name in ("baseline", "coat"):
+        ranks = result["sides"][name]["ranks"]
+        for r in ranks:
+            if r.get("training_state_bytes"):
+                state = TrainingStateBytes(**r["training_state_bytes"])
+                lines.append(f"{name} rank {r['rank']}, training state in bytes per parameter: "
+                             f"{state.describe(r['model_numel'] / len(ranks))}")
+    return [""] + lines if lines else []
 
 
 def _in_backward_note(name: str, side: dict) -> str:

@@ -15,9 +15,10 @@ from .._compat.deepspeed import release_zero3_references
 from ..activation import compress_activations
 from ..config import ActivationConfig
 from ..integrations.deepspeed.config import load_ds_config
-from ..integrations.deepspeed.engine import initialize, local_partitions, optimizer_settings
+from ..integrations.deepspeed.engine import engine_gradients, initialize, local_partitions, optimizer_settings
 from ..integrations.fsdp import setup_fsdp
 from ..linear import convert_to_fp8_linear
+from ..memory.training_state import TrainingStateBytes, gradient_bytes, training_state_bytes
 from ..models.llama import Llama, ModelConfig
 from ..optim import CoatAdamW
 from ..optim.state import state_bytes
@@ -54,17 +55,6 @@ def load_side(name: str, path: str, fp8_linear: bool = False, step_in_backward: 
         return Side(name, path, {**params, "step_in_backward": True} if step_in_backward else params, {}, fp8_linear)
     # The baseline picks its AdamW implementation by device (fused on CUDA).
     return Side(name, path, None, {k: v for k, v in params.items() if k != "fused"})
-
-
-def _tensors_in(obj, depth: int = 3):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif depth and isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors_in(v, depth - 1)
-    elif depth and isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors_in(v, depth - 1)
 
 
 class Trainee:
@@ -108,6 +98,15 @@ class Trainee:
         # codes, scales, k and centres (plus FP32 moments of tiny tensors) for CoatAdamW.
         # Storages count once: ZeRO may keep states as views of flat buffers.
         return state_bytes(*self.optimizer().state.values(), storages=True)
+
+    def live_gradient_bytes(self) -> int:
+        """Gradient bytes held now (after backward): `grad_tensors` and those the optimizer
+        keeps for its step (`coat_ds.memory.training_state.gradient_bytes`)."""
+        return gradient_bytes(self.model, self.optimizer(), self.grad_tensors())
+
+    def training_state(self, gradients: int) -> TrainingStateBytes:
+        """This rank's training state by kind, read after a step; `gradients`: `live_gradient_bytes` after its backward."""
+        return training_state_bytes(self.model, self.optimizer(), gradients)
 
     def close(self) -> None:
         if self.activations is not None:
@@ -227,20 +226,15 @@ class DeepSpeedTrainee(Trainee):
         return params + [t for t, _ in local_partitions(self.ds)]
 
     def grad_tensors(self):
-        # Gradients live where the ZeRO stage puts them: on the parameters (stage 1, before
-        # reduction), in the optimizer's partition buffers (averaged_gradients, ipg buffers,
-        # stage 3's flat grad partitions) and on the FP32 partitions during the step.
-        zopt = self.ds.optimizer
-        found = [p.grad for p in self.ds.module.parameters()]
-        found += [t.grad for t, _ in local_partitions(self.ds)]
-        for key, value in vars(zopt).items():
-            if "grad" in key.lower():
-                found.extend(_tensors_in(value))
         weights = {t.untyped_storage().data_ptr() for t in self.weight_tensors()}
-        return [t for t in found if t is not None and t.untyped_storage().data_ptr() not in weights]
+        return [t for t in engine_gradients(self.ds) if t.untyped_storage().data_ptr() not in weights]
 
     def optimizer(self):
         return getattr(self.ds.optimizer, "optimizer", self.ds.optimizer)
+
+    def training_state(self, gradients: int) -> TrainingStateBytes:
+        # Between steps ZeRO-3's optimizer holds no param groups' tensors: the masters are the FP32 partitions.
+        return training_state_bytes(self.ds.module, self.optimizer(), gradients, [t for t, _ in local_partitions(self.ds)])
 
     def close(self):
         super().close()

@@ -19,6 +19,7 @@ from ..activation import compress_activations
 from ..activation.api import ActivationCompression
 from ..config import ActivationConfig, RecipeConfig
 from ..linear import Fp8Linear, convert_to_fp8_linear, fp8_gemm_available, fuse_rms_norms, fuse_swiglu
+from ..linear.layer import compute_device
 from ..loss import fuse_lm_head_loss
 from ..loss.fuse import LossHead, hf_causal_lm_class
 from ..plan.layers import decoder_layers
@@ -134,8 +135,7 @@ def _fp8_linear(model: nn.Module, config: RecipeConfig, keep: _Filter) -> tuple[
         others = sorted({type(m).__name__ for m in model.modules() if type(m).__name__ in ("Conv1D",)})
         why = f"its projections are {', '.join(others)}, not nn.Linear" if others else "no nn.Linear to convert"
         return False, why + (f" ({left})" if linears else "")
-    p = next(model.parameters(), None)
-    device = p.device if p is not None else torch.device("cpu")
+    device = compute_device(model)
     fp8 = config.fp8_linear.fp8_gemm
     path = ("GEMMs in FP8" if fp8 == "on" or (fp8 == "auto" and fp8_gemm_available(device)) else
             f"GEMMs in the input's precision (fp8_gemm={fp8!r}; {device} has no FP8 GEMMs), the input saved in FP8")

@@ -48,6 +48,7 @@ __all__ = [
     "comm_op_build_note",
     "coat_optimizer",
     "local_partitions",
+    "engine_gradients",
     "group_state_config",
     "StateMemoryReport",
     "state_memory_report",
@@ -282,6 +283,30 @@ def local_partitions(engine) -> list[tuple[torch.Tensor, dict]]:
     if parts is not None:
         return [(t, groups[i]) for t, i in parts]
     return [(p, g) for g in groups for p in g["params"]]
+
+
+def _tensors_in(obj, depth: int = 3):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth and isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors_in(v, depth - 1)
+    elif depth and isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors_in(v, depth - 1)
+
+
+def engine_gradients(engine) -> list[torch.Tensor]:
+    """Every gradient tensor a DeepSpeed engine holds on this rank, where its ZeRO stage puts
+    them: on the parameters (stage 1, before reduction), in the optimizer's partition buffers
+    (averaged_gradients, ipg buffers, stage 3's flat grad partitions) and on the FP32
+    partitions during the step. Some are views of others, or of weights: count storages."""
+    found = [p.grad for p in engine.module.parameters()]
+    found += [t.grad for t, _ in local_partitions(engine)]
+    for key, value in vars(engine.optimizer).items():
+        if "grad" in key.lower():
+            found.extend(_tensors_in(value))
+    return [t for t in found if t is not None]
 
 
 def group_state_config(group: dict) -> OptimStateConfig:
