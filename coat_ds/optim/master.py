@@ -1,0 +1,186 @@
+"""CoatAdamW's master weights (`master_weights`): what dtype a parameter must have, the
+remainder that completes a BF16 parameter's FP32 master, and its conversions on load.
+
+* "fp32": the parameter is the FP32 master, as torch.optim.AdamW's.
+* "bf16+16" / "bf16+8": the parameter is BF16 (the compute weight: no cast, FSDP2 all-gathers
+  it as it is) and the state keeps `master_remainder` (int16 / int8, the parameter's local
+  shape): with it the step reads and writes the FP32 master (kernels/master.py: exact with 16
+  bits, 15 mantissa bits with 8).
+
+An FP32 parameter of such a group is converted when the group is added (the optimizer is
+built): its data becomes BF16 in place (the same Parameter object; a DTensor's local shard
+too, so build the optimizer before FSDP2's first forward) and its remainder is seeded from
+the FP32 value, so nothing is lost. A BF16 parameter starts with remainder 0: its master is
+its value.
+
+Loading a state dict converts between the forms (`loaded`, `install`): a saved remainder
+into an "fp32" group makes the FP32 parameter (which must hold the saved BF16 weight, so load
+the model first) the joined master; into a group with the other width, the master is split
+again; a saved state without one keeps the remainder the optimizer holds (seeded from the
+FP32 weights it was built on) or starts at 0.
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..config import OptimStateConfig
+from ..kernels import master as bits
+from ..memory.tensors import local_tensor
+
+__all__ = ["REMAINDER_KEY", "check_param", "adopt", "remainder", "fp32_master", "loaded", "install",
+           "check_saved", "remainder_of", "remainder_bytes", "master_bytes"]
+
+REMAINDER_KEY = "master_remainder"
+
+
+def _bits(cfg: OptimStateConfig) -> int:
+    return bits.MASTER_KINDS[cfg.master_weights]
+
+
+def check_param(p: torch.Tensor, grad: torch.Tensor, group: int, index: int, cfg: OptimStateConfig) -> None:
+    """Raise ValueError unless `p` can be stepped on `grad` under `cfg`, naming the parameter."""
+    if grad.is_sparse:
+        raise ValueError(f"CoatAdamW does not support sparse gradients (parameter {index} of param group {group})")
+    dtype = local_tensor(p).dtype
+    if _bits(cfg) and dtype != torch.bfloat16:
+        raise ValueError(f"CoatAdamW(master_weights={cfg.master_weights!r}) needs bfloat16 parameters; parameter "
+                         f"{index} of param group {group} is {dtype}")
+    if not _bits(cfg) and dtype != torch.float32:
+        # Rounding each update to 8 (BF16) or 11 (FP16) bits loses every update smaller than
+        # half a unit in the last place: at lr 1e-4 almost no BF16 element ever changes.
+        raise ValueError(
+            f"CoatAdamW needs float32 parameters (master weights); parameter {index} of param group {group} is "
+            f"{dtype}. Keep FP32 parameters and compute in BF16 (torch.autocast, DeepSpeed bf16, FSDP "
+            "MixedPrecisionPolicy(param_dtype=torch.bfloat16)), or pass master_weights='bf16+16': a BF16 "
+            "parameter whose exact FP32 master the optimizer completes")
+
+
+def _set_local(p: torch.Tensor, local: torch.Tensor) -> None:
+    """Make `local` the data of parameter `p` (a DTensor: its local shard), keeping the object."""
+    if isinstance(p, DTensor):
+        new = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                 stride=p.stride())
+        torch.utils.swap_tensors(p, torch.nn.Parameter(new, requires_grad=p.requires_grad))
+    else:
+        p.data = local
+
+
+def adopt(params, cfg: OptimStateConfig, state: dict) -> None:
+    """Convert the FP32 parameters of a group under `cfg` to BF16 in place, seeding each one's
+    remainder in `state` from its FP32 value (nothing for "fp32" groups)."""
+    n = _bits(cfg)
+    if not n:
+        return
+    for p in params:
+        local = local_tensor(p)
+        if local.dtype == torch.float32:
+            with torch.no_grad():
+                hi, rem = bits.split(local, n)
+            _set_local(p, hi)
+            state[p][REMAINDER_KEY] = rem
+
+
+def remainder(state: dict, local: torch.Tensor, cfg: OptimStateConfig) -> torch.Tensor | None:
+    """The remainder the step reads and writes for a parameter (created as 0 on first use),
+    or None for "fp32"."""
+    n = _bits(cfg)
+    if not n:
+        return None
+    if REMAINDER_KEY not in state:
+        state[REMAINDER_KEY] = torch.zeros(local.shape, dtype=bits.REMAINDER_DTYPES[n], device=local.device)
+    _to_width(local, state, n)
+    return state[REMAINDER_KEY]
+
+
+def fp32_master(p: torch.Tensor, state: dict) -> torch.Tensor:
+    """`p`'s FP32 master: `p` itself where it is FP32, else its BF16 value joined with its
+    remainder (a new tensor; a DTensor like `p` for a DTensor parameter)."""
+    local = local_tensor(p)
+    rem = state.get(REMAINDER_KEY)
+    if local.dtype == torch.float32:
+        return p.detach()
+    if rem is None:
+        value = local.detach().to(torch.float32)
+    else:
+        value = bits.join(local.detach(), rem)
+    if isinstance(p, DTensor):
+        return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride())
+    return value
+
+
+def check_saved(pid, entry: dict, local: torch.Tensor, cfg: OptimStateConfig) -> None:
+    """Raise ValueError for a saved remainder the optimizer cannot take for this parameter."""
+    rem = entry.get(REMAINDER_KEY)
+    if rem is None:
+        return
+    where = f"state dict entry for parameter {pid}, key {REMAINDER_KEY!r}"
+    rem = local_tensor(rem)
+    if not torch.is_tensor(rem) or rem.dtype not in bits.REMAINDER_DTYPES.values():
+        raise ValueError(f"{where}: expected an int16 or int8 tensor, got {getattr(rem, 'dtype', type(rem))}")
+    if tuple(rem.shape) != tuple(local.shape):
+        raise ValueError(f"{where}: shape {tuple(rem.shape)}, expected {tuple(local.shape)}")
+    if local.dtype == torch.float32 and not torch.equal(local, local.to(torch.bfloat16).to(torch.float32)):
+        raise ValueError(f"{where}: the FP32 parameter does not hold a BF16 value; load the model's weights (saved "
+                         "in BF16 with master_weights='bf16+*') before the optimizer's state, whose remainder "
+                         "completes them")
+    if _bits(cfg) and local.dtype != torch.bfloat16:
+        raise ValueError(f"{where}: master_weights={cfg.master_weights!r} needs a bfloat16 parameter, got "
+                         f"{local.dtype}")
+
+
+def loaded(entry: dict, state: dict, p: torch.Tensor, current: dict | None, local: torch.Tensor) -> None:
+    """Put in `state[p]` (the loaded state) the remainder to install: the saved one in `entry`
+    (converted on install), else the optimizer's `current` one, on the parameter's device."""
+    rem = entry.get(REMAINDER_KEY)
+    if rem is None and current:
+        rem = current.get(REMAINDER_KEY)
+    if rem is not None:
+        state[p][REMAINDER_KEY] = local_tensor(rem).detach().to(local.device, copy=True)
+
+
+def remainder_of(state: dict) -> dict:
+    """The remainder entry of a parameter's state, alone (empty for an FP32 master)."""
+    return {REMAINDER_KEY: state[REMAINDER_KEY]} if REMAINDER_KEY in state else {}
+
+
+def install(params, states, cfg: OptimStateConfig) -> None:
+    """Bring the loaded remainders of `params` (in `states`) to `cfg`'s form: joined into an
+    FP32 parameter ("fp32"), or split again at `cfg`'s width (the BF16 parameter rewritten)."""
+    for p in params:
+        if REMAINDER_KEY in states.get(p, {}):
+            _to_width(local_tensor(p), states[p], _bits(cfg))
+
+
+@torch.no_grad()
+def _to_width(local: torch.Tensor, state: dict, n: int) -> None:
+    """The master held by `local` and the state's remainder, held again with an `n`-bit
+    remainder (0: in the FP32 `local` alone)."""
+    rem = state[REMAINDER_KEY]
+    if local.dtype == torch.bfloat16 and rem.dtype == bits.REMAINDER_DTYPES.get(n):
+        return
+    value = bits.join(local.to(torch.bfloat16), rem)
+    if not n:
+        local.copy_(value)
+        del state[REMAINDER_KEY]
+        return
+    hi, state[REMAINDER_KEY] = bits.split(value, n)
+    local.copy_(hi)
+
+
+def remainder_bytes(state: dict) -> int:
+    rem = state.get(REMAINDER_KEY)
+    return 0 if rem is None else rem.numel() * rem.element_size()
+
+
+def master_bytes(param_groups: list[dict], states) -> dict:
+    """The bytes this rank holds of its master weights (parameters and remainders), in all
+    and per parameter element."""
+    total, numel = 0, 0
+    for group in param_groups:
+        for p in group["params"]:
+            local = local_tensor(p)
+            total += local.numel() * local.element_size() + remainder_bytes(states.get(p, {}))
+            numel += local.numel()
+    return {"master_bytes": total, "master_bytes_per_param": total / numel if numel else 0.0}
