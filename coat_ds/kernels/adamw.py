@@ -26,13 +26,13 @@ from .fp8_triton import dequantize_tile, quantize_tile, rcp, round_to_bf16
 from .group_codec import group_offsets, tile_shape
 from .jit import jit
 from .layout import AdamWHyper, AdamWSlot, QuantizedGroups, group_layout
+from .master import load_master, store_master
 
 __all__ = ["adamw_step_triton", "PreparedStep", "flat_slots", "AdamWKernels", "TORCH", "TRITON"]
 
 triton = tl = None  # jit.bind sets them when a Triton backend is chosen
 
-# p, g, m codes/center/kcode/sexp, v codes/center/kcode/sexp, cols, n_groups, gpr, group skips,
-# master remainder
+# p, g, m codes/center/kcode/sexp, v the same, cols, n_groups, gpr, group skips, master remainder
 _TABLE_COLS = 16
 # Launch shape (groups per program, warps), tuned on a GPU with bench/optim_step.py --sweep.
 STEP_BLOCK_GROUPS = 16
@@ -56,8 +56,6 @@ def _ptr(row, i, DTYPE_ID: tl.constexpr, ALIGNED: tl.constexpr):
         ptr = addr.to(tl.pointer_type(tl.int32))
     elif DTYPE_ID == 6:
         ptr = addr.to(tl.pointer_type(tl.int16))
-    elif DTYPE_ID == 7:
-        ptr = addr.to(tl.pointer_type(tl.uint16))
     else:
         ptr = addr.to(tl.pointer_type(tl.int8))
     if ALIGNED:
@@ -95,48 +93,13 @@ def _store_moment(row, base: tl.constexpr, new, offs, valid, gi, gmask,
 
 
 @jit
-def _load_master(row, offs, valid, MASTER: tl.constexpr, ALIGNED: tl.constexpr):
-    """The FP32 master of a BF16 parameter and its remainder (kernels/master.py)."""
-    hi = tl.load(_ptr(row, 0, 7, ALIGNED) + offs, mask=valid, other=0).to(tl.uint32)
-    if MASTER == 16:
-        lo = tl.load(_ptr(row, 14, 6, ALIGNED) + offs, mask=valid, other=0)
-        bits = (hi << 16) + lo.to(tl.int32).to(tl.uint32, bitcast=True)
-    else:
-        lo = tl.load(_ptr(row, 14, 4, ALIGNED) + offs, mask=valid, other=0)
-        bits = ((hi << 8) + lo.to(tl.int32).to(tl.uint32, bitcast=True)) << 8
-    return bits.to(tl.float32, bitcast=True)
-
-
-@jit
-def _store_master(row, x, offs, keep, MASTER: tl.constexpr, ALIGNED: tl.constexpr):
-    b = x.to(tl.uint32, bitcast=True)
-    if MASTER == 16:
-        hi = (b + 0x8000) >> 16
-        lo = (b & 0xFFFF).to(tl.int32) - ((b & 0x8000) << 1).to(tl.int32)
-    else:
-        c = (b + 0x80) >> 8
-        exp24 = 0xFF << 15
-        c = tl.where(((c & exp24) == exp24) & (((b >> 8) & exp24) != exp24), b >> 8, c)  # no carry into inf
-        hi = (c + 0x80) >> 8
-        lo = c.to(tl.int32) - (hi << 8).to(tl.int32)
-    nan = x != x
-    hi = tl.where(nan, 0x7FC0, hi)
-    lo = tl.where(nan, 0, lo)
-    tl.store(_ptr(row, 0, 7, ALIGNED) + offs, hi.to(tl.uint16), mask=keep)
-    if MASTER == 16:
-        tl.store(_ptr(row, 14, 6, ALIGNED) + offs, lo.to(tl.int16), mask=keep)
-    else:
-        tl.store(_ptr(row, 14, 4, ALIGNED) + offs, lo.to(tl.int8), mask=keep)
-
-
-@jit
 def _adamw_kernel(table_ptr, blocks_ptr, skipped_ptr, gscale_ptr,
                   beta1, beta2, eps, decay, step_size, inv_bc2_sqrt, lr, step, log2_beta1, log2_beta2,
                   P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, QUANT: tl.constexpr,
                   FMT_M: tl.constexpr, FMT_V: tl.constexpr, DRE: tl.constexpr,
                   KNUM_M: tl.constexpr, KNUM_V: tl.constexpr,
                   G: tl.constexpr, BG: tl.constexpr, TABLE_COLS: tl.constexpr, ALIGNED: tl.constexpr,
-                  GSCALE: tl.constexpr, ISA: tl.constexpr, MASTER: tl.constexpr):
+                  GSCALE: tl.constexpr, ISA: tl.constexpr, MASTER: tl.constexpr, REM_DTYPE: tl.constexpr):
     pid = tl.program_id(0)
     t = tl.load(blocks_ptr + 2 * pid).to(tl.int64)
     g0 = tl.load(blocks_ptr + 2 * pid + 1)
@@ -151,8 +114,8 @@ def _adamw_kernel(table_ptr, blocks_ptr, skipped_ptr, gscale_ptr,
     p_ptr = _ptr(row, 0, P_DTYPE, ALIGNED)
     if MASTER == 0:
         p = tl.load(p_ptr + offs, mask=valid, other=0.0).to(tl.float32)
-    else:
-        p = _load_master(row, offs, valid, MASTER, ALIGNED)
+    else:  # a BF16 parameter (read as its bits) and the remainder of its FP32 master
+        p = load_master(_ptr(row, 0, 6, ALIGNED), _ptr(row, 14, REM_DTYPE, ALIGNED), offs, valid, MASTER)
     g = tl.load(_ptr(row, 1, G_DTYPE, ALIGNED) + offs, mask=valid, other=0.0).to(tl.float32)
     if GSCALE:
         # A clipping coefficient on the device: the gradient as `g.mul_(coef)` would leave it.
@@ -184,7 +147,7 @@ def _adamw_kernel(table_ptr, blocks_ptr, skipped_ptr, gscale_ptr,
             p_new = round_to_bf16(p_new)
         tl.store(p_ptr + offs, p_new.to(p_ptr.dtype.element_ty), mask=keep)
     else:
-        _store_master(row, p_new, offs, keep, MASTER, ALIGNED)
+        store_master(_ptr(row, 0, 6, ALIGNED), _ptr(row, 14, REM_DTYPE, ALIGNED), p_new, offs, keep, MASTER)
     _store_moment(row, 2, m, offs, keep, gi, gkeep, QUANT, FMT_M, DRE, KNUM_M, ALIGNED, ISA)
     _store_moment(row, 6, v, offs, keep, gi, gkeep, QUANT, FMT_V, DRE, KNUM_V, ALIGNED, ISA)
     bad = gmask & ~ok
@@ -261,11 +224,6 @@ def _checked(slots: list[AdamWSlot], group_size: int) -> list[AdamWSlot]:
     for s in slots:
         if not (s.param.is_contiguous() and s.grad.is_contiguous()):
             raise ValueError("CoatAdamW's Triton step needs contiguous parameters and gradients")
-        if s.remainder is not None and not (s.param.dtype == torch.bfloat16 and s.remainder.is_contiguous()
-                                            and s.remainder.shape == s.param.shape):
-            raise ValueError("a master remainder goes with a BF16 parameter of its shape, both contiguous")
-    if len({master.remainder_bits(s.remainder) for s in slots}) > 1:
-        raise ValueError("one Triton step takes slots of one master kind")
     return slots
 
 
@@ -273,7 +231,7 @@ def _bound_plan(slots: list[AdamWSlot], key: list[tuple[int, ...]], group_size: 
     quant = isinstance(slots[0].exp_avg, QuantizedGroups)
     # Keyed by the parameters themselves: ZeRO-3 steps one sub-group's tensors per call,
     # each with its own plan, and every one is reused on the next iteration.
-    cache_key = (quant, slots[0].param.dtype, slots[0].grad.dtype, master.remainder_bits(slots[0].remainder), group_size,
+    cache_key = (quant, slots[0].param.dtype, slots[0].grad.dtype, group_size,
                  tuple((k[0], s.param.shape) for k, s in zip(key, slots)))
     plan = None if plan_cache is None else plan_cache.get(cache_key)
     if plan is None:
@@ -291,6 +249,7 @@ class _Launch:
 
     def __init__(self, slots: list[AdamWSlot], plan: _Plan, fmt_m: str, fmt_v: str, dre: bool, group_size: int):
         fm, fv = get_format(fmt_m), get_format(fmt_v)
+        bits = master.slots_kind(slots)  # raises for a remainder that does not fit its parameter
         self.plan = plan
         self.device = slots[0].param.device
         self.grad_dtype = slots[0].grad.dtype
@@ -298,8 +257,7 @@ class _Launch:
             P_DTYPE=_DTYPE_IDS[slots[0].param.dtype], G_DTYPE=_DTYPE_IDS[self.grad_dtype],
             QUANT=isinstance(slots[0].exp_avg, QuantizedGroups), FMT_M=fm.id, FMT_V=fv.id, DRE=dre,
             KNUM_M=K_ONE * fm.dre_log2_range, KNUM_V=K_ONE * fv.dre_log2_range, G=group_size,
-            BG=plan.bg, TABLE_COLS=_TABLE_COLS, MASTER=master.remainder_bits(slots[0].remainder),
-            num_warps=STEP_WARPS)
+            BG=plan.bg, TABLE_COLS=_TABLE_COLS, MASTER=bits, REM_DTYPE=6 if bits == 16 else 4, num_warps=STEP_WARPS)
 
     def __call__(self, hyper: AdamWHyper, skipped: torch.Tensor | None, grad_scale: torch.Tensor | None) -> None:
         if skipped is None:
@@ -393,7 +351,6 @@ def flat_slots(slots: list[AdamWSlot]) -> tuple[list, list, list, list, list]:
 
     if any(s.remainder is not None for s in slots):
         raise ValueError("coat_ds::adamw_step takes FP32 or BF16 parameters without a master remainder")
-
     return ([s.param for s in slots], [s.grad for s in slots], [t for s in slots for t in moment(s.exp_avg)],
             [t for s in slots for t in moment(s.exp_avg_sq)],
             [s.param.new_empty((0,), dtype=torch.int32) if s.skips is None else s.skips for s in slots])

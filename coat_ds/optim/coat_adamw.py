@@ -298,7 +298,7 @@ class CoatAdamW(InBackwardMethods, torch.optim.Optimizer):
         """As torch's; for DTensor (FSDP2) parameters every shaped state tensor is a DTensor
         on the parameter's mesh (views of the live state, see `optim/sharded.py`), so
         `torch.distributed.checkpoint` saves each rank's shard and can reshard on load."""
-        sd = super().state_dict()
+        sd = master.saved_groups(super().state_dict())
         cfg_of = self._config_of()
         for pid, p in self._by_saved_id(sd["param_groups"]):
             if isinstance(p, DTensor) and pid in sd["state"]:
@@ -375,12 +375,12 @@ class CoatAdamW(InBackwardMethods, torch.optim.Optimizer):
         """This optimizer's state in torch.optim.AdamW's layout (FP32 exp_avg/exp_avg_sq, each
         group's skipped steps folded into its moments, see `state.to_fp32`); DTensors like
         the parameter for DTensor parameters."""
-        sd = super().state_dict()
+        sd = master.saved_groups(super().state_dict())
         pairs = self._by_saved_id(sd["param_groups"])
         cfg_of = self._config_of()
         betas_of = {id(p): tuple(g["betas"]) for g in self.param_groups for p in g["params"]}
-        sd["state"] = {pid: {**st.to_fp32(self.state[p], cfg_of[id(p)], betas_of[id(p)]),
-                             **master.remainder_of(self.state[p])} for pid, p in pairs if "step" in self.state.get(p, {})}
+        sd["state"] = {pid: {**st.to_fp32(state, cfg_of[id(p)], betas_of[id(p)]), **master.remainder_of(state)}
+                       for pid, p in pairs if "step" in (state := self.state.get(p, {}))}
         for pid, p in pairs:
             if isinstance(p, DTensor) and pid in sd["state"]:
                 sd["state"][pid] = {k: sharded.wrap_like(v, p) if k in sharded.PER_ELEMENT else v

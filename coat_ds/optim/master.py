@@ -29,7 +29,7 @@ from ..kernels import master as bits
 from ..memory.tensors import local_tensor
 
 __all__ = ["REMAINDER_KEY", "check_param", "adopt", "remainder", "fp32_master", "loaded", "install",
-           "check_saved", "remainder_of", "remainder_bytes", "master_bytes"]
+           "check_saved", "remainder_of", "saved_groups", "remainder_bytes", "master_bytes"]
 
 REMAINDER_KEY = "master_remainder"
 
@@ -167,6 +167,16 @@ def _to_width(local: torch.Tensor, state: dict, n: int) -> None:
         return
     hi, state[REMAINDER_KEY] = bits.split(value, n)
     local.copy_(hi)
+
+
+def saved_groups(sd: dict) -> dict:
+    """`sd`, a state dict being saved, without `master_weights` in its param groups: not a
+    saved option (the remainders in the state say what was saved), the loading optimizer's
+    own holds (the parameters' dtype is its model's), and checkpoints stay loadable by DCP
+    both ways across versions."""
+    for group in sd["param_groups"]:
+        group.pop("master_weights", None)
+    return sd
 
 
 def remainder_bytes(state: dict) -> int:

@@ -285,8 +285,9 @@ def local_partitions(engine) -> list[tuple[torch.Tensor, dict]]:
 
 
 def group_state_config(group: dict) -> OptimStateConfig:
-    """The OptimStateConfig a CoatAdamW param group (or its saved copy) stands for."""
-    return OptimStateConfig(**{k: group[k] for k in OptimStateConfig.__dataclass_fields__})
+    """The OptimStateConfig a CoatAdamW param group (or its saved copy) stands for; an option
+    a saved group lacks (`master_weights` is never saved) takes its default."""
+    return OptimStateConfig(**{k: group[k] for k in OptimStateConfig.__dataclass_fields__ if k in group})
 
 
 @dataclass(frozen=True)
