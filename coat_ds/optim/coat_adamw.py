@@ -44,7 +44,7 @@ def _lr_value(lr):
     return float(lr.item())
 
 
-class CoatAdamW(InBackwardMethods, torch.optim.Optimizer):
+class CoatAdamW(InBackwardMethods, master.MasterMethods, torch.optim.Optimizer):
     """AdamW whose moments are stored in FP8 with per-group DRE (about 2.13 bytes/param).
 
     A drop-in for `torch.optim.AdamW` (decoupled weight decay, bias correction) on float32
@@ -278,10 +278,6 @@ class CoatAdamW(InBackwardMethods, torch.optim.Optimizer):
         return {"state_bytes": total, "numel": numel, "fp8_numel": fp8_numel,
                 "bytes_per_param": total / numel if numel else 0.0, "fp32_adamw_bytes": 8 * numel,
                 **master.master_bytes(self.param_groups, self.state)}
-
-    def fp32_master(self, p: torch.Tensor) -> torch.Tensor:
-        """`p`'s FP32 master: `p` itself for "fp32", else its BF16 value and remainder joined."""
-        return master.fp32_master(p, self.state.get(p, {}))
 
     # -- checkpoints ----------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from ..config import OptimStateConfig
 from ..kernels import master as bits
 from ..memory.tensors import local_tensor
 
-__all__ = ["REMAINDER_KEY", "check_param", "adopt", "remainder", "fp32_master", "loaded", "install",
+__all__ = ["REMAINDER_KEY", "MasterMethods", "check_param", "adopt", "remainder", "loaded", "install",
            "check_saved", "remainder_of", "saved_groups", "remainder_bytes", "master_bytes"]
 
 REMAINDER_KEY = "master_remainder"
@@ -59,9 +59,9 @@ def check_param(p: torch.Tensor, grad: torch.Tensor, group: int, index: int, cfg
 def _set_local(p: torch.Tensor, local: torch.Tensor) -> None:
     """Make `local` the data of parameter `p` (a DTensor: its local shard), keeping the object."""
     if isinstance(p, DTensor):
-        new = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                 stride=p.stride())
-        torch.utils.swap_tensors(p, torch.nn.Parameter(new, requires_grad=p.requires_grad))
+        new = torch.nn.Parameter(_like(local, p), requires_grad=p.requires_grad)
+        new.__dict__.update(p.__dict__)  # swap_tensors swaps the attributes too: keep p's
+        torch.utils.swap_tensors(p, new)
     else:
         p.data = local
 
@@ -93,21 +93,51 @@ def remainder(state: dict, local: torch.Tensor, cfg: OptimStateConfig) -> torch.
     return state[REMAINDER_KEY]
 
 
-def fp32_master(p: torch.Tensor, state: dict) -> torch.Tensor:
-    """`p`'s FP32 master: `p` itself where it is FP32, else its BF16 value joined with its
-    remainder (a new tensor; a DTensor like `p` for a DTensor parameter)."""
-    local = local_tensor(p)
-    rem = state.get(REMAINDER_KEY)
-    if local.dtype == torch.float32:
-        return p.detach()
-    if rem is None:
-        value = local.detach().to(torch.float32)
-    else:
-        value = bits.join(local.detach(), rem)
+def _like(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Local tensor `value` as `p` is: a DTensor like it for a DTensor `p`."""
     if isinstance(p, DTensor):
         return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                   stride=p.stride())
     return value
+
+
+class MasterMethods:
+    """CoatAdamW's public face of its master weights (`self.state`, `self.param_groups`,
+    `self._validate(group)` -> (hyper-parameters, OptimStateConfig))."""
+
+    def fp32_master(self, p: torch.Tensor) -> torch.Tensor:
+        """Parameter `p`'s FP32 master: `p` itself (detached) where it is FP32, else its BF16
+        value joined with its remainder (a new tensor; a DTensor like `p` for a DTensor `p`)."""
+        local = local_tensor(p)
+        if local.dtype == torch.float32:
+            return p.detach()
+        rem = self.state.get(p, {}).get(REMAINDER_KEY)
+        return _like(local.detach().to(torch.float32) if rem is None else bits.join(local.detach(), rem), p)
+
+    @torch.no_grad()
+    def set_fp32_master(self, p: torch.Tensor, value: torch.Tensor) -> None:
+        """Make `value` (shaped like `p`; sharded like it for a DTensor `p`) parameter `p`'s FP32
+        master: copied into an FP32 `p`, else split into `p`'s BF16 value and its remainder.
+        For FP32 weights loaded after the optimizer was built (an FP32 checkpoint resumed
+        with master_weights="bf16+16": the model's own load_state_dict rounds them)."""
+        group = next((g for g in self.param_groups if any(q is p for q in g["params"])), None)
+        if group is None:
+            raise ValueError("set_fp32_master: the tensor is not a parameter of this optimizer")
+        local, value = local_tensor(p), local_tensor(value).to(torch.float32)
+        if value.shape != local.shape:
+            raise ValueError(f"set_fp32_master: value has (local) shape {tuple(value.shape)}, the parameter "
+                             f"{tuple(local.shape)}")
+        n = _bits(self._validate(group)[1])
+        if not n:
+            local.copy_(value)
+            return
+        hi, rem = bits.split(value, n)
+        local.copy_(hi)
+        state = self.state[p]
+        if REMAINDER_KEY in state and state[REMAINDER_KEY].dtype == rem.dtype:
+            state[REMAINDER_KEY].copy_(rem)  # in place: a prepared step keeps its addresses
+        else:
+            state[REMAINDER_KEY] = rem
 
 
 def check_saved(pid, entry: dict, local: torch.Tensor, cfg: OptimStateConfig) -> None:
