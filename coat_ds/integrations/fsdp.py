@@ -64,7 +64,7 @@ from ..io.safe_load import (CheckpointError, check_load_environment, load_dcp_me
                             weights_only_loads)
 from ..config import ActivationConfig
 from ..optim import CoatAdamW
-from ..optim.master import REMAINDER_KEY
+from ..optim.state import REMAINDER_KEY
 from ..optim.sharded import mark_global_numel
 from ..optim.state import MOMENTS
 

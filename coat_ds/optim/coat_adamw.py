@@ -133,7 +133,7 @@ class CoatAdamW(InBackwardMethods, master.MasterMethods, torch.optim.Optimizer):
         group = self.param_groups[-1]
         _, cfg = self._validate(group)
         group["first_moment_format"], group["second_moment_format"] = cfg.first_moment_format, cfg.second_moment_format
-        master.adopt(group["params"], cfg, self.state)
+        master.adopt(self.param_groups, self.state, lambda g: self._validate(g)[1])
         if self._in_backward is not None:
             self._in_backward.watch(len(self.param_groups) - 1, group["params"])
 

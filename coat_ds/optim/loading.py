@@ -18,9 +18,9 @@ import torch
 from ..config import OptimStateConfig
 from ..kernels import get_format, group_layout
 from ..kernels.fp8 import K_MAX_CODE
-from .master import REMAINDER_KEY, check_saved
+from .master import check_saved
 from .moment import MOMENTS, PART_DTYPES, Fp8Moment, moment_format
-from .state import SKIPS_KEY
+from .state import REMAINDER_KEY, SKIPS_KEY
 
 __all__ = ["merge_groups", "check_state", "is_fp32_layout", "QUANT_KEYS"]
 

@@ -27,11 +27,12 @@ from torch.distributed.tensor import DTensor
 from ..config import OptimStateConfig
 from ..kernels import master as bits
 from ..memory.tensors import local_tensor
+from . import sharded
+from . import state as st
+from .state import REMAINDER_KEY
 
 __all__ = ["REMAINDER_KEY", "MasterMethods", "check_param", "adopt", "remainder", "loaded", "install",
            "check_saved", "remainder_of", "saved_groups", "remainder_bytes", "master_bytes"]
-
-REMAINDER_KEY = "master_remainder"
 
 
 def _bits(cfg: OptimStateConfig) -> int:
@@ -66,19 +67,30 @@ def _set_local(p: torch.Tensor, local: torch.Tensor) -> None:
         p.data = local
 
 
-def adopt(params, cfg: OptimStateConfig, state: dict) -> None:
-    """Convert the FP32 parameters of a group under `cfg` to BF16 in place, seeding each one's
-    remainder in `state` from its FP32 value (nothing for "fp32" groups)."""
-    n = _bits(cfg)
-    if not n:
-        return
-    for p in params:
+def adopt(param_groups: list[dict], states, config) -> None:
+    """After a param group was added (the last of `param_groups`; `config(group)` -> its
+    OptimStateConfig): under "bf16+*", convert its FP32 parameters to BF16 in place, each one's
+    remainder seeded in `states` from its FP32 value. Where any group is "bf16+*", every
+    parameter then gets its whole state (zero moments, step 0) now rather than at its first
+    step: the remainders make the state non-empty, and DCP's `get_optimizer_state_dict` builds
+    the state of a fresh optimizer (its load template) only for an empty one."""
+    configs = [config(g) for g in param_groups]
+    n = _bits(configs[-1])
+    for p in param_groups[-1]["params"] if n else ():
         local = local_tensor(p)
         if local.dtype == torch.float32:
             with torch.no_grad():
                 hi, rem = bits.split(local, n)
             _set_local(p, hi)
-            state[p][REMAINDER_KEY] = rem
+            states[p][REMAINDER_KEY] = rem
+    if not any(map(_bits, configs)):
+        return
+    for group, cfg in zip(param_groups, configs):
+        for p in group["params"]:
+            state = states[p]
+            if "step" not in state:
+                state.update(st.init_state(local_tensor(p), sharded.global_numel(p) >= cfg.min_quant_numel, cfg))
+            remainder(state, local_tensor(p), cfg)
 
 
 def remainder(state: dict, local: torch.Tensor, cfg: OptimStateConfig) -> torch.Tensor | None:

@@ -32,9 +32,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ..config import OptimStateConfig
 from ..kernels import QuantizedGroups, group_layout
 from ..memory.tensors import local_tensor
-from .master import REMAINDER_KEY
 from .moment import MOMENTS, Fp8Moment
-from .state import SKIPS_KEY
+from .state import REMAINDER_KEY, SKIPS_KEY
 
 __all__ = ["PER_ELEMENT", "global_numel", "mark_global_numel", "to_dtensor_state", "from_dtensor_state",
            "local_fp32_state", "wrap_like"]
