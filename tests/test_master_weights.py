@@ -123,7 +123,8 @@ def _steps(step_fn, slot: AdamWSlot, steps: int = 3, after=None) -> list[torch.T
 
 
 def _paths():
-    paths = [("twin", R.adamw_step)]
+    paths = [("twin", R.adamw_step),
+             ("host-chunked", lambda *a, **k: host.host_step(*a, **k, chunk_elems=256, fused=False))]
     if host_native.library() is not None:
         paths.append(("host", host.host_step))
     paths.append(("triton", lambda *a, **k: bound("adamw").TRITON.step(*a, **k)))

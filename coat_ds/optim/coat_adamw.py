@@ -133,7 +133,7 @@ class CoatAdamW(InBackwardMethods, master.MasterMethods, torch.optim.Optimizer):
         group = self.param_groups[-1]
         _, cfg = self._validate(group)
         group["first_moment_format"], group["second_moment_format"] = cfg.first_moment_format, cfg.second_moment_format
-        master.adopt(self.param_groups, self.state, lambda g: self._validate(g)[1])
+        master.adopt(group["params"], cfg, self.state)
         if self._in_backward is not None:
             self._in_backward.watch(len(self.param_groups) - 1, group["params"])
 
@@ -294,6 +294,7 @@ class CoatAdamW(InBackwardMethods, master.MasterMethods, torch.optim.Optimizer):
         """As torch's; for DTensor (FSDP2) parameters every shaped state tensor is a DTensor
         on the parameter's mesh (views of the live state, see `optim/sharded.py`), so
         `torch.distributed.checkpoint` saves each rank's shard and can reshard on load."""
+        master.complete(self.param_groups, self.state, lambda g: self._validate(g)[1])
         sd = master.saved_groups(super().state_dict())
         cfg_of = self._config_of()
         for pid, p in self._by_saved_id(sd["param_groups"]):

@@ -31,7 +31,7 @@ from . import sharded
 from . import state as st
 from .state import REMAINDER_KEY
 
-__all__ = ["REMAINDER_KEY", "MasterMethods", "check_param", "adopt", "remainder", "loaded", "install",
+__all__ = ["MasterMethods", "check_param", "adopt", "complete", "remainder", "loaded", "install",
            "check_saved", "remainder_of", "saved_groups", "remainder_bytes", "master_bytes"]
 
 
@@ -67,30 +67,34 @@ def _set_local(p: torch.Tensor, local: torch.Tensor) -> None:
         p.data = local
 
 
-def adopt(param_groups: list[dict], states, config) -> None:
-    """After a param group was added (the last of `param_groups`; `config(group)` -> its
-    OptimStateConfig): under "bf16+*", convert its FP32 parameters to BF16 in place, each one's
-    remainder seeded in `states` from its FP32 value. Where any group is "bf16+*", every
-    parameter then gets its whole state (zero moments, step 0) now rather than at its first
-    step: the remainders make the state non-empty, and DCP's `get_optimizer_state_dict` builds
-    the state of a fresh optimizer (its load template) only for an empty one."""
-    configs = [config(g) for g in param_groups]
-    n = _bits(configs[-1])
-    for p in param_groups[-1]["params"] if n else ():
+def adopt(params, cfg: OptimStateConfig, states) -> None:
+    """Under "bf16+*" (`cfg`, the group's), convert the group's FP32 parameters to BF16 in
+    place, each one's remainder seeded in `states` from its FP32 value."""
+    n = _bits(cfg)
+    for p in params if n else ():
         local = local_tensor(p)
         if local.dtype == torch.float32:
             with torch.no_grad():
                 hi, rem = bits.split(local, n)
             _set_local(p, hi)
             states[p][REMAINDER_KEY] = rem
+
+
+def complete(param_groups: list[dict], states, config) -> None:
+    """Where a group is "bf16+*" (`config(group)` -> its OptimStateConfig), give every
+    parameter without one its whole state (zero moments, step 0, remainder), as its first step
+    would. The seeded remainders make the state non-empty, and DCP's `get_optimizer_state_dict`
+    builds a fresh optimizer's state (its load template) only for an empty one; so
+    `state_dict()` completes it, and a template lists every key a checkpoint holds."""
+    configs = [config(g) for g in param_groups]
     if not any(map(_bits, configs)):
         return
     for group, cfg in zip(param_groups, configs):
         for p in group["params"]:
-            state = states[p]
+            state, local = states[p], local_tensor(p)
             if "step" not in state:
-                state.update(st.init_state(local_tensor(p), sharded.global_numel(p) >= cfg.min_quant_numel, cfg))
-            remainder(state, local_tensor(p), cfg)
+                state.update(st.init_state(local, sharded.global_numel(p) >= cfg.min_quant_numel, cfg))
+            remainder(state, local, cfg)
 
 
 def remainder(state: dict, local: torch.Tensor, cfg: OptimStateConfig) -> torch.Tensor | None:
