@@ -49,10 +49,10 @@ class CoatAdamW(InBackwardMethods, master.MasterMethods, torch.optim.Optimizer):
 
     A drop-in for `torch.optim.AdamW` (decoupled weight decay, bias correction) on float32
     parameters (BF16 ones with `master_weights`; others are refused at the first step). Every
-    option below may also be set per param group. The step is one fused Triton launch per (dtype, step) bucket
-    of a param group on CUDA, a fused C++ kernel on host tensors (CPU training, ZeRO-Offload;
-    coat_ds/kernels/host.py, built on first use, off with COAT_DS_HOST_KERNEL_DISABLE=1), and
-    the pure-torch reference, which computes the same, where neither runs.
+    option below may also be set per param group. The step is one fused Triton launch per
+    (dtype, step) bucket of a param group on CUDA, a fused C++ kernel on host tensors (CPU
+    training, ZeRO-Offload; coat_ds/kernels/host.py, built on first use, off with
+    COAT_DS_HOST_KERNEL_DISABLE=1), and the pure-torch reference, computing the same, elsewhere.
 
     Args:
         lr, betas, eps, weight_decay: as `torch.optim.AdamW` (`lr` may be a one-element tensor).

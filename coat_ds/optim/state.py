@@ -17,8 +17,8 @@ from ..kernels import QuantizedGroups, group_layout
 from ..memory.tensors import local_tensor, unique_storage_bytes
 from .moment import MOMENTS, Fp8Moment
 
-__all__ = ["MOMENTS", "SKIPS_KEY", "REMAINDER_KEY", "is_quantized", "init_state", "zero_skips", "moment", "kernel_moments",
-           "state_tensors", "state_bytes", "to_fp32", "from_fp32"]
+__all__ = ["MOMENTS", "SKIPS_KEY", "REMAINDER_KEY", "is_quantized", "init_state", "zero_skips", "moment",
+           "kernel_moments", "state_tensors", "state_bytes", "to_fp32", "from_fp32"]
 
 SKIPS_KEY = "group_skips"
 REMAINDER_KEY = "master_remainder"

@@ -101,7 +101,7 @@ def prepare_config(config) -> tuple[dict, dict | None]:
         # Otherwise DeepSpeed insists on its own DeepSpeedCPUAdam for offloaded states.
         ds["zero_force_ds_cpu_optimizer"] = False
     bf16 = bf16_key(ds)
-    _master_weights(ds, bf16, bf16_enabled, offload, kwargs.get("master_weights", "fp32"))
+    _master_weights(ds, bf16, bf16_enabled, zero.get("stage", 0), offload, kwargs.get("master_weights", "fp32"))
     if (bf16_enabled and zero.get("stage", 0) in (1, 2) and offload == "none"
             and zero.get("compute_grad_norm", True) and "check_grad_overflow" not in ds[bf16]):
         # CoatAdamW skips a step with a non-finite global norm itself (_skip_overflowed_steps),
@@ -118,7 +118,7 @@ def prepare_config(config) -> tuple[dict, dict | None]:
 _BF16_MASTER_KEYS = ("bf16_master_weights_and_grads", "bf16_optimizer_states")
 
 
-def _master_weights(ds: dict, bf16: str, bf16_enabled: bool, offload: str, master_weights: str) -> None:
+def _master_weights(ds: dict, bf16: str, bf16_enabled: bool, stage: int, offload: str, master_weights: str) -> None:
     """CoatAdamW's master_weights under ZeRO: "bf16+16" / "bf16+8" need DeepSpeed to hand it
     BF16 partitions, whose remainders it keeps; set DeepSpeed's switches for that."""
     section = ds.get(bf16) or {}
@@ -128,9 +128,10 @@ def _master_weights(ds: dict, bf16: str, bf16_enabled: bool, offload: str, maste
                              "partitions, which it steps only with optimizer.params.master_weights 'bf16+16' (the "
                              "exact FP32 master as BF16 + a 16-bit remainder) or 'bf16+8'")
         return
-    if not bf16_enabled:
+    if not bf16_enabled or stage not in (1, 2, 3):
         raise ValueError(f"DeepSpeed config: optimizer.params.master_weights={master_weights!r} needs BF16 "
-                         f"parameters: set {bf16}.enabled true")
+                         f"parameters and ZeRO stage 1, 2 or 3 (DeepSpeed's BF16 master partitions): set "
+                         f"{bf16}.enabled true and zero_optimization.stage")
     if offload != "none":
         # DeepSpeed 0.19.8 asserts `type(self.optimizer) in [DeepSpeedCPUAdam]` for BF16 master
         # partitions with optimizer offload (stage_1_and_2.py _enforce_cpu_offload, stage3.py
