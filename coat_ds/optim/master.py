@@ -62,7 +62,12 @@ def _set_local(p: torch.Tensor, local: torch.Tensor) -> None:
     if isinstance(p, DTensor):
         new = torch.nn.Parameter(_like(local, p), requires_grad=p.requires_grad)
         new.__dict__.update(p.__dict__)  # swap_tensors swaps the attributes too: keep p's
-        torch.utils.swap_tensors(p, new)
+        try:
+            torch.utils.swap_tensors(p, new)
+        except RuntimeError as e:  # autograd (a backward ran) or another holder keeps the old tensor
+            raise RuntimeError("CoatAdamW(master_weights='bf16+*') converts FP32 DTensor parameters to BF16 in place "
+                               "and could not: build the optimizer right after sharding, before the first forward "
+                               f"({e})") from e
     else:
         p.data = local
 
