@@ -92,7 +92,7 @@ def test_8_bit_remainder_error_bound():
 # -- the step kernels, slot by slot ------------------------------------------------------------
 
 
-def _slot(bits: int, quant: bool, seed: int = 3) -> AdamWSlot:
+def _slot(bits: int, quant: bool, device: torch.device, seed: int = 3) -> AdamWSlot:
     g = torch.Generator().manual_seed(seed)
     shape = (4, 160)  # a short last group in every row
     p = torch.randn(shape, generator=g) * 0.02
@@ -101,9 +101,11 @@ def _slot(bits: int, quant: bool, seed: int = 3) -> AdamWSlot:
         m, v = R.quantize_groups(m, 64), R.quantize_groups(v, 64)
     skips = torch.zeros(4, 3, dtype=torch.int32)
     if not bits:
-        return AdamWSlot(p, torch.zeros(shape), m, v, skips)
-    hi, rem = M.split(p, bits)
-    return AdamWSlot(hi, torch.zeros(shape, dtype=torch.bfloat16), m, v, skips, rem)
+        slot = AdamWSlot(p, torch.zeros(shape), m, v, skips)
+    else:
+        hi, rem = M.split(p, bits)
+        slot = AdamWSlot(hi, torch.zeros(shape, dtype=torch.bfloat16), m, v, skips, rem)
+    return AdamWSlot(*(None if t is None else t.to(device) for t in slot))
 
 
 def _steps(step_fn, slot: AdamWSlot, steps: int = 3, after=None) -> list[torch.Tensor]:
@@ -111,7 +113,7 @@ def _steps(step_fn, slot: AdamWSlot, steps: int = 3, after=None) -> list[torch.T
     g = torch.Generator().manual_seed(5)
     out = []
     for step in range(1, steps + 1):
-        grad = (torch.randn(slot.param.shape, generator=g) * 1e-3).to(torch.bfloat16)
+        grad = (torch.randn(slot.param.shape, generator=g) * 1e-3).to(torch.bfloat16).to(slot.param.device)
         if step == 2:
             grad[1, 7] = float("nan")
         slot = slot._replace(grad=grad if slot.remainder is not None else grad.float())
@@ -122,25 +124,30 @@ def _steps(step_fn, slot: AdamWSlot, steps: int = 3, after=None) -> list[torch.T
     return out
 
 
+CPU = torch.device("cpu")
+# The Triton kernel compiled on a GPU, interpreted on CPU (TRITON_INTERPRET=1, conftest.py).
+TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def _paths():
-    paths = [("twin", R.adamw_step),
-             ("host-chunked", lambda *a, **k: host.host_step(*a, **k, chunk_elems=256, fused=False))]
+    paths = [("twin", R.adamw_step, CPU),
+             ("host-chunked", lambda *a, **k: host.host_step(*a, **k, chunk_elems=256, fused=False), CPU)]
     if host_native.library() is not None:
-        paths.append(("host", host.host_step))
-    paths.append(("triton", lambda *a, **k: bound("adamw").TRITON.step(*a, **k)))
+        paths.append(("host", host.host_step, CPU))
+    paths.append(("triton", lambda *a, **k: bound("adamw").TRITON.step(*a, **k), TRITON_DEVICE))
     return paths
 
 
 @pytest.mark.parametrize("quant", [True, False], ids=["fp8-moments", "fp32-moments"])
 @pytest.mark.parametrize("path", _paths(), ids=lambda p: p[0])
 def test_step_bf16_plus_16_is_the_fp32_step_bit_for_bit(path, quant):
-    _, step_fn = path
-    ref = _steps(step_fn, _slot(0, quant))
+    _, step_fn, device = path
+    ref = _steps(step_fn, _slot(0, quant, device))
 
     def bf16_is_rounded_master(slot, master):
         assert torch.equal(_bits(slot.param), _ties_away_bf16(master))
 
-    got = _steps(step_fn, _slot(16, quant), after=bf16_is_rounded_master)
+    got = _steps(step_fn, _slot(16, quant, device), after=bf16_is_rounded_master)
     for a, b in zip(ref, got):
         assert torch.equal(_bits(a), _bits(b))
 
@@ -148,11 +155,11 @@ def test_step_bf16_plus_16_is_the_fp32_step_bit_for_bit(path, quant):
 @pytest.mark.parametrize("path", _paths(), ids=lambda p: p[0])
 def test_step_bf16_plus_8_is_the_fp32_step_of_its_master_rounded(path):
     """One step of "bf16+8" = the FP32 step from its 24-bit master, then `split(., 8)`."""
-    _, step_fn = path
-    slot = _slot(8, True)
+    _, step_fn, device = path
+    slot = _slot(8, True, device)
     g = torch.Generator().manual_seed(7)
     for step in range(1, 4):
-        grad = (torch.randn(slot.param.shape, generator=g) * 1e-3).to(torch.bfloat16)
+        grad = (torch.randn(slot.param.shape, generator=g) * 1e-3).to(torch.bfloat16).to(device)
         hyper = AdamWHyper.at_step(step, 1e-2, 0.9, 0.999, 1e-8, 0.1)
         ref = copy.deepcopy(slot)._replace(grad=grad.float(), remainder=None)
         ref = ref._replace(param=M.join(slot.param, slot.remainder))
