@@ -278,8 +278,10 @@ def worker_master(_: int, out: str) -> None:
         saved, masters = _snapshot(opt), [opt.fp32_master(t).clone() for t in parts]
         rounded = [(((_bits(m).long() & 0xFFFFFFFF) + 0x8000) >> 16).to(torch.int32) for m in masters]
         r = {"dtypes": sorted({str(t.dtype) for t in parts}), "n_refs": len(refs), "n_parts": len(parts),
-             "masters_equal": [torch.equal(_bits(opt.fp32_master(p)), _bits(ref.detach())) for p, ref, _ in refs.values()],
-             "bf16_is_master_rounded": [torch.equal(t.view(torch.int16).int() & 0xFFFF, h) for t, h in zip(parts, rounded)],
+             "masters_equal": [torch.equal(_bits(opt.fp32_master(p)), _bits(ref.detach()))
+                               for p, ref, _ in refs.values()],
+             "bf16_is_master_rounded": [torch.equal(t.view(torch.int16).int() & 0xFFFF, h)
+                                        for t, h in zip(parts, rounded)],
              "remainders": sorted({str(s["master_remainder"].dtype) for s in opt.state.values()})}
         losses += _train(engine, data, range(3, 5), [rank])
         resumed = _engine(stage, master_weights="bf16+16")
