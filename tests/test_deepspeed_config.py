@@ -97,6 +97,22 @@ def test_offload_settings():
         prepare_config(cfg)
 
 
+def test_bf16_master_weights_set_deepspeeds_bf16_partitions_or_are_refused():
+    cfg = {**_cfg(master_weights="bf16+16"), "bf16": {"enabled": True}}
+    ds, kwargs = prepare_config(cfg)
+    assert kwargs["master_weights"] == "bf16+16"
+    assert ds["bf16"]["bf16_master_weights_and_grads"] is True and ds["bf16"]["bf16_optimizer_states"] is True
+    with pytest.raises(ValueError, match="master_weights='bf16\\+16' needs BF16 parameters and ZeRO stage"):
+        prepare_config(_cfg(master_weights="bf16+16"))  # bf16 not enabled
+    with pytest.raises(ValueError, match="ZeRO stage 1, 2 or 3"):
+        prepare_config({**cfg, "zero_optimization": {"stage": 0}})
+    offload = {**cfg, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    with pytest.raises(ValueError, match="DeepSpeedCPUAdam"):
+        prepare_config(offload)
+    with pytest.raises(ValueError, match="bf16_master_weights_and_grads=true hands CoatAdamW BF16 partitions"):
+        prepare_config({**_cfg(), "bf16": {"enabled": True, "bf16_master_weights_and_grads": True}})
+
+
 def test_deepspeeds_overflow_check_goes_off_only_where_coat_adamw_takes_it_over():
     """ZeRO-1/2 + BF16 + no optimizer offload + a norm computed: DeepSpeed's per-step check
     is off (CoatAdamW skips by the global norm, tests/test_deepspeed_zero.py); a key the

@@ -21,7 +21,8 @@ ROOT = os.path.dirname(HERE)
 STEPS, SAVE_AT = 8, 4  # train STEPS optimizer steps; checkpoint after SAVE_AT
 
 
-def ds_config(stage: int, grad_accum: int = 1, offload: bool = False, check_grad_overflow: bool | None = None) -> dict:
+def ds_config(stage: int, grad_accum: int = 1, offload: bool = False, check_grad_overflow: bool | None = None,
+              master_weights: str = "fp32") -> dict:
     zero = {"stage": stage}
     if stage == 3:
         # Partition every parameter and cut them into several sub-groups, so step() is
@@ -36,7 +37,8 @@ def ds_config(stage: int, grad_accum: int = 1, offload: bool = False, check_grad
         "bf16": {"enabled": True} if check_grad_overflow is None else {"enabled": True,
                                                                        "check_grad_overflow": check_grad_overflow},
         "optimizer": {"type": "CoatAdamW",
-                      "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1, "min_quant_numel": 1024}},
+                      "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1, "min_quant_numel": 1024,
+                                 "master_weights": master_weights}},
         "zero_optimization": zero,
         "steps_per_print": 10**9,
     }
@@ -45,7 +47,7 @@ def ds_config(stage: int, grad_accum: int = 1, offload: bool = False, check_grad
 # -- worker side ------------------------------------------------------------------------------
 
 def _engine(stage: int, grad_accum: int = 1, offload: bool = False, check_grad_overflow: bool | None = None,
-            deepspeeds_own: bool = False):
+            master_weights: str = "fp32", deepspeeds_own: bool = False):
     """coat_ds's initialize, or (`deepspeeds_own`) DeepSpeed's after register_deepspeed(), as
     Hugging Face Trainer and Accelerate call it."""
     import deepspeed
@@ -56,7 +58,7 @@ def _engine(stage: int, grad_accum: int = 1, offload: bool = False, check_grad_o
 
     torch.manual_seed(0)
     model = Llama(model_config("tiny", max_seq_len=32))
-    config = ds_config(stage, grad_accum, offload, check_grad_overflow)
+    config = ds_config(stage, grad_accum, offload, check_grad_overflow, master_weights)
     if deepspeeds_own:
         coat_ds.register_deepspeed()
         engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
@@ -237,6 +239,78 @@ def worker_reshard(stage: int, out: str) -> None:
         json.dump(result, f)
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def _reference_steps(opt) -> dict:
+    """Step, before each of `opt`'s steps, an FP32-master CoatAdamW per partition on the
+    gradient DeepSpeed hands `opt` (clipped, BF16), from the partition's master at its first
+    step; returns {id(partition): (partition, reference parameter)}."""
+    import inspect
+
+    from coat_ds import CoatAdamW
+
+    args = set(inspect.signature(CoatAdamW).parameters) - {"params", "master_weights"}
+    refs = {}
+
+    def before(o, *_):
+        for group in o.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if id(p) not in refs:
+                    r = torch.nn.Parameter(o.fp32_master(p).clone())
+                    refs[id(p)] = (p, r, CoatAdamW([r], **{k: v for k, v in group.items() if k in args}))
+                _, r, ref_opt = refs[id(p)]
+                r.grad = p.grad.float()
+                ref_opt.step()
+
+    opt.register_step_pre_hook(before)
+    return refs
+
+
+def worker_master(_: int, out: str) -> None:
+    """master_weights="bf16+16" under ZeRO-2 and ZeRO-3 (DeepSpeed's BF16 master partitions):
+    masters against FP32-master references on the same gradients, a resume, and the converting
+    checkpoint path into an FP32-master and a "bf16+16" engine."""
+    from coat_ds.integrations.deepspeed.checkpoint import consolidate_checkpoint, load_fp32_checkpoint
+    from coat_ds.integrations.deepspeed.engine import coat_optimizer, local_partitions
+
+    data = _data()
+    result = {}
+    for stage in (2, 3):
+        engine = _engine(stage, master_weights="bf16+16")
+        rank, opt = engine.global_rank, coat_optimizer(engine)
+        refs = _reference_steps(opt)
+        losses = _train(engine, data, range(3), [rank])
+        parts = [t for t, _ in local_partitions(engine)]
+        ckpt = os.path.join(out, f"ckpt_master{stage}")
+        engine.save_checkpoint(ckpt, tag="mid")
+        saved, masters = _snapshot(opt), [opt.fp32_master(t).clone() for t in parts]
+        rounded = [(((_bits(m).long() & 0xFFFFFFFF) + 0x8000) >> 16).to(torch.int32) for m in masters]
+        r = {"dtypes": sorted({str(t.dtype) for t in parts}), "n_refs": len(refs), "n_parts": len(parts),
+             "masters_equal": [torch.equal(_bits(opt.fp32_master(p)), _bits(ref.detach()))
+                               for p, ref, _ in refs.values()],
+             "bf16_is_master_rounded": [torch.equal(t.view(torch.int16).int() & 0xFFFF, h)
+                                        for t, h in zip(parts, rounded)],
+             "remainders": sorted({str(s["master_remainder"].dtype) for s in opt.state.values()})}
+        losses += _train(engine, data, range(3, 5), [rank])
+        resumed = _engine(stage, master_weights="bf16+16")
+        resumed.load_checkpoint(ckpt, tag="mid")
+        r["resume_state_equal"] = _same_state(saved, coat_optimizer(resumed))
+        r["resumed_losses_equal"] = _train(resumed, data, range(3, 5), [rank]) == losses[3:]
+        consolidated = consolidate_checkpoint(ckpt, "mid")
+        for form in ("fp32", "bf16+16"):
+            other = _engine(stage, master_weights=form)
+            load_fp32_checkpoint(other, consolidated)
+            got = [coat_optimizer(other).fp32_master(t) for t, _ in local_partitions(other)]
+            r[f"consolidated_into_{form}"] = [torch.equal(_bits(a), _bits(b)) for a, b in zip(got, masters)]
+        result[stage] = r
+    with open(os.path.join(out, f"master_rank{torch.distributed.get_rank()}.json"), "w") as f:
+        json.dump(result, f)
+
+
 # -- pytest side ------------------------------------------------------------------------------
 
 def _launch(nproc: int, scenario: str, stage: int, out) -> None:
@@ -385,6 +459,24 @@ def test_zero2_without_deepspeeds_overflow_check_coat_skips_the_whole_step(runs)
 
 
 @pytest.mark.slow
+def test_zero23_bf16_master_weights_keep_the_fp32_master(tmp_path):
+    """DeepSpeed's bf16_master_weights_and_grads hands CoatAdamW BF16 flat partitions (set by
+    coat_ds for master_weights "bf16+16"): every partition's FP32 master is, bit for bit, an
+    FP32-master CoatAdamW's stepped on the same gradients; DeepSpeed's own checkpoint resumes
+    bit-exactly; the converting path (consolidate, load_fp32_checkpoint) carries the exact
+    master into an FP32-master engine and back into a "bf16+16" one."""
+    _launch(2, "master", 0, tmp_path)
+    for rank in range(2):
+        result = json.load(open(tmp_path / f"master_rank{rank}.json"))
+        for stage, r in result.items():
+            assert r["dtypes"] == ["torch.bfloat16"] and r["remainders"] == ["torch.int16"], (stage, r)
+            assert r["n_refs"] == r["n_parts"] and all(r["masters_equal"]), (stage, r)
+            assert all(r["bf16_is_master_rounded"]), (stage, r)
+            assert r["resume_state_equal"] and r["resumed_losses_equal"], (stage, r)
+            assert all(r["consolidated_into_fp32"]) and all(r["consolidated_into_bf16+16"]), (stage, r)
+
+
+@pytest.mark.slow
 def test_offline_converter_cli(runs, tmp_path):
     from coat_ds.integrations.deepspeed.checkpoint import FORMAT, main
 
@@ -402,5 +494,5 @@ def test_offline_converter_cli(runs, tmp_path):
 
 if __name__ == "__main__":
     scenario, stage, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    {"zero": worker_zero, "reshard": worker_reshard}[scenario](stage, out)
+    {"zero": worker_zero, "reshard": worker_reshard, "master": worker_master}[scenario](stage, out)
     end_worker()

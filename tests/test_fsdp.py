@@ -33,6 +33,7 @@ from coat_ds.integrations.fsdp import (
     save_checkpoint,
     setup_fsdp,
 )
+from coat_ds.optim.sharded import mark_global_numel
 from helpers import end_worker
 
 pytestmark = pytest.mark.slow
@@ -298,6 +299,84 @@ def test_fsdp2_dcp_roundtrip_resumes_identically(tmp_path):
     """DCP save/load (sharded) and a full optimizer state dict both restore every rank's
     FP8 codes, scales and step bit-exactly; training then continues bit-identically."""
     _spawn(_fsdp2_ckpt_worker, 2, tmp_path, str(tmp_path / "ckpt"))
+
+
+def _master_optim(model, master_weights: str):
+    return coat_ds.CoatAdamW(model.parameters(), lr=LR, min_quant_numel=MIN_QUANT, master_weights=master_weights)
+
+
+def _train_bf16(model, optim, steps: range, rank: int, world: int, each_step=None) -> None:
+    """`_train` for a model whose parameters are BF16 (compute in BF16, loss in FP32)."""
+    for s in steps:
+        x, y = _batch(s)
+        out = model(x.chunk(world)[rank].to(torch.bfloat16)).float()
+        ((out - y.chunk(world)[rank]) ** 2).mean().backward()
+        if each_step is not None:
+            each_step()
+        optim.step()
+        optim.zero_grad()
+
+
+def _masters(model, optim) -> list[torch.Tensor]:
+    return [optim.fp32_master(p).to_local().clone() for p in model.parameters()]
+
+
+def _fsdp2_master_worker(rank, world, init, ckpt):
+    """master_weights="bf16+16" under FSDP2: the FP32 model becomes BF16 DTensors, which FSDP2
+    all-gathers as they are; every step's FP32 masters are, bit for bit, what an FP32-master
+    CoatAdamW gives on the same local gradient shards. DCP checkpoints resume bit-exactly in
+    both forms: a "bf16+16" checkpoint into "bf16+16" and into an FP32-master run, and that
+    run's own (FP32) checkpoint back into "bf16+16"."""
+    _init(rank, world, init)
+    torch.manual_seed(0)
+    model = setup_fsdp(Net(300), mode="fsdp2")
+    optim = _master_optim(model, "bf16+16")
+    assert all(p.dtype == torch.bfloat16 and p.to_local().dtype == torch.bfloat16 for p in model.parameters())
+    ref = [nn.Parameter(m) for m in _masters(model, optim)]
+    for r, p in zip(ref, model.parameters()):
+        mark_global_numel(r, p.numel())  # FP8 or FP32 moments as for the whole tensor
+    ref_optim = coat_ds.CoatAdamW(ref, lr=LR, min_quant_numel=MIN_QUANT)
+
+    def step_reference():
+        for r, p in zip(ref, model.parameters()):
+            r.grad = p.grad.to_local().float()
+        ref_optim.step()
+
+    _train_bf16(model, optim, range(3), rank, world, step_reference)
+    for i, (m, r) in enumerate(zip(_masters(model, optim), ref)):
+        _assert_bitwise(m, r.detach(), f"param {i} master")
+        assert optim.state[list(model.parameters())[i]]["master_remainder"].dtype == torch.int16
+    save_checkpoint(ckpt, model, optim, step=3)
+    saved = _masters(model, optim)
+
+    torch.manual_seed(1)  # other initial weights: everything must come from the checkpoint
+    model2 = setup_fsdp(Net(300), mode="fsdp2")
+    optim2 = _master_optim(model2, "bf16+16")
+    assert load_checkpoint(ckpt, model2, optim2) == 3
+    torch.manual_seed(2)
+    model3 = setup_fsdp(Net(300), mode="fsdp2")
+    optim3 = _master_optim(model3, "fp32")
+    assert load_checkpoint(ckpt, model3, optim3) == 3
+    for i, (a, b2, p3) in enumerate(zip(saved, _masters(model2, optim2), model3.parameters())):
+        _assert_bitwise(b2, a, f"bf16+16 resumed: param {i}")
+        _assert_bitwise(p3.to_local().detach(), a, f"fp32 resumed: param {i}")
+    save_checkpoint(ckpt + "-fp32", model3, optim3, step=3)
+    torch.manual_seed(3)
+    model4 = setup_fsdp(Net(300), mode="fsdp2")
+    optim4 = _master_optim(model4, "bf16+16")
+    assert load_checkpoint(ckpt + "-fp32", model4, optim4) == 3
+    for i, (a, b4) in enumerate(zip(saved, _masters(model4, optim4))):
+        _assert_bitwise(b4, a, f"bf16+16 from an FP32 checkpoint: param {i}")
+    for m, o in ((model, optim), (model2, optim2), (model4, optim4)):
+        _train_bf16(m, o, range(3, 5), rank, world)
+    for i, (a, b2, b4) in enumerate(zip(_masters(model, optim), _masters(model2, optim2), _masters(model4, optim4))):
+        _assert_bitwise(b2, a, f"param {i} after resuming")
+        _assert_bitwise(b4, a, f"param {i} after resuming from FP32")
+    end_worker()
+
+
+def test_fsdp2_bf16_master_weights_equal_fp32_and_resume_in_both_forms(tmp_path):
+    _spawn(_fsdp2_master_worker, 2, tmp_path, str(tmp_path / "ckpt"))
 
 
 def _fsdp2_save_worker(rank, world, init, ckpt, out):

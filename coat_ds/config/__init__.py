@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from ..kernels.fp8 import get_format
+from ..kernels.master import MASTER_KINDS
 
 __all__ = ["OptimStateConfig", "AdamWHyperparams", "ActivationConfig", "Fp8LinearConfig", "RecipeConfig", "RECIPES"]
 
@@ -34,6 +35,8 @@ class OptimStateConfig:
         min_quant_numel: tensors with fewer elements (whole tensor, not shard) keep FP32 moments
         nonfinite: non-finite grad in a group: "skip" that group (counted) or "raise" after the step
         backend: "triton" kernels, "torch" reference, or "auto": Triton on CUDA, torch elsewhere
+        master_weights: "fp32" (the parameter is the FP32 master), "bf16+16" (a BF16 parameter plus a
+            16-bit remainder: the exact FP32 master) or "bf16+8" (plus an 8-bit remainder: a 24-bit master)
     """
 
     first_moment_format: str = "e4m3"
@@ -43,6 +46,7 @@ class OptimStateConfig:
     min_quant_numel: int = 4096
     nonfinite: str = "skip"
     backend: str = "auto"
+    master_weights: str = "fp32"
 
     def __post_init__(self):
         for name in ("first_moment_format", "second_moment_format"):
@@ -56,6 +60,8 @@ class OptimStateConfig:
             raise ValueError(f"nonfinite must be one of {_NONFINITE}, got {self.nonfinite!r}")
         if self.backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {self.backend!r}")
+        if self.master_weights not in MASTER_KINDS:
+            raise ValueError(f"master_weights must be one of {tuple(MASTER_KINDS)}, got {self.master_weights!r}")
 
 
 @dataclass(frozen=True)

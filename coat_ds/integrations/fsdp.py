@@ -15,6 +15,12 @@ FP32 tensors shaped like its flat shards, so FSDP1 checkpoints carry the moments
 torch.optim.AdamW's layout (dequantized FP32) and loading quantizes them again: resharding
 works for free, at the cost of one FP8 rounding of the moments at each resume.
 
+CoatAdamW's `master_weights="bf16+16"` / `"bf16+8"` (BF16 parameters) saves each parameter's
+master remainder in the optimizer state, sharded like the parameter. `load_checkpoint` converts
+between the forms exactly: an FP32-master checkpoint's weights are read in FP32 and split into
+BF16 parameter and remainder (`set_fp32_master`); a BF16 checkpoint's remainders are read into an
+FP32-master optimizer, which joins them into its FP32 parameters.
+
 Loading unpickles DCP's `.metadata` and its non-tensor values (param-group options) with only
 DCP's own types and torch's weights-only types allowed; anything else is refused naming it
 and the file, unless `trust_checkpoint=True`.
@@ -57,6 +63,8 @@ from ..io.faults import fault_point
 from ..io.safe_load import (CheckpointError, check_load_environment, load_dcp_metadata, reading_file,
                             weights_only_loads)
 from ..config import ActivationConfig
+from ..optim import CoatAdamW
+from ..optim.state import REMAINDER_KEY
 from ..optim.sharded import mark_global_numel
 from ..optim.state import MOMENTS
 
@@ -334,7 +342,11 @@ def load_checkpoint_folder(folder: str | os.PathLike, model: nn.Module, optim, t
     state = _state(model, optim)
     state["train"] = {"step": torch.zeros((), dtype=torch.int64)}
     reader = _Reader(folder, trust_checkpoint)
-    reader.read_metadata()  # a refused .metadata fails here with its own error; DCP would bury it
+    metadata = reader.read_metadata()  # a refused .metadata fails here with its own error; DCP would bury it
+    masters = {}
+    if not is_fsdp1(model):
+        masters = _read_fp32_masters(model, optim, metadata, state["model"])
+        _read_saved_remainders(model, metadata, state["optim"])
     # FSDP1's ShardedTensors of parameters this rank holds no element of have no local
     # shard; DCP's default flattening drops them, finds keys "missing" and mistakes the
     # checkpoint for the pre-2.4 layout. Unflattened they simply read nothing.
@@ -348,4 +360,39 @@ def load_checkpoint_folder(folder: str | os.PathLike, model: nn.Module, optim, t
     else:
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, optim, state["optim"])
+        for fqn, p in masters.items():
+            optim.set_fp32_master(p, state["model"][fqn])
     return int(state["train"]["step"])
+
+
+def _read_saved_remainders(model: nn.Module, metadata, optim_state: dict) -> None:
+    """Read a master remainder (CoatAdamW master_weights) where the checkpoint has one, and only
+    there: DCP reads the keys of the live state dict, so a remainder saved by a "bf16+*" run
+    would go unread by an "fp32" one, and one the live optimizer holds would be missing from an
+    FP32-master checkpoint (its optimizer keeps it; see `_read_fp32_masters`)."""
+    for fqn, p in model.named_parameters():
+        entry = optim_state.get("state", {}).get(fqn)
+        if entry is None:
+            continue
+        saved = metadata.state_dict_metadata.get(f"optim.state.{fqn}.{REMAINDER_KEY}")
+        if saved is None:
+            entry.pop(REMAINDER_KEY, None)
+        elif REMAINDER_KEY not in entry:
+            entry[REMAINDER_KEY] = torch.zeros_like(p.detach(), dtype=saved.properties.dtype)
+
+
+def _read_fp32_masters(model: nn.Module, optim, metadata, model_state: dict) -> dict[str, torch.Tensor]:
+    """The parameters of CoatAdamW master_weights="bf16+*" groups whose checkpoint holds FP32
+    weights (saved with FP32 masters), by FQN: their entries in `model_state` become FP32
+    tensors to read into, so that `set_fp32_master` keeps the bits the BF16 parameter cannot."""
+    if not isinstance(optim, CoatAdamW):
+        return {}
+    split = {id(p) for g in optim.param_groups if g["master_weights"] != "fp32" for p in g["params"]}
+    found = {}
+    for fqn, p in model.named_parameters():
+        saved = metadata.state_dict_metadata.get(f"model.{fqn}")
+        if id(p) in split and fqn in model_state and getattr(saved, "properties", None) is not None \
+                and saved.properties.dtype == torch.float32 and model_state[fqn].dtype != torch.float32:
+            model_state[fqn] = torch.zeros_like(model_state[fqn], dtype=torch.float32)
+            found[fqn] = p
+    return found

@@ -19,19 +19,20 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from . import host
+from . import host, master
 from .custom_ops import define
 from .fp8 import K_ONE, get_format, kernel_isa
 from .fp8_triton import dequantize_tile, quantize_tile, rcp, round_to_bf16
 from .group_codec import group_offsets, tile_shape
 from .jit import jit
 from .layout import AdamWHyper, AdamWSlot, QuantizedGroups, group_layout
+from .master import load_master, store_master
 
 __all__ = ["adamw_step_triton", "PreparedStep", "flat_slots", "AdamWKernels", "TORCH", "TRITON"]
 
 triton = tl = None  # jit.bind sets them when a Triton backend is chosen
 
-# p, g, m codes/center/kcode/sexp, v codes/center/kcode/sexp, cols, n_groups, gpr, group skips
+# p, g, m codes/center/kcode/sexp, v the same, cols, n_groups, gpr, group skips, master remainder
 _TABLE_COLS = 16
 # Launch shape (groups per program, warps), tuned on a GPU with bench/optim_step.py --sweep.
 STEP_BLOCK_GROUPS = 16
@@ -53,6 +54,8 @@ def _ptr(row, i, DTYPE_ID: tl.constexpr, ALIGNED: tl.constexpr):
         ptr = addr.to(tl.pointer_type(tl.uint8))
     elif DTYPE_ID == 5:
         ptr = addr.to(tl.pointer_type(tl.int32))
+    elif DTYPE_ID == 6:
+        ptr = addr.to(tl.pointer_type(tl.int16))
     else:
         ptr = addr.to(tl.pointer_type(tl.int8))
     if ALIGNED:
@@ -96,7 +99,7 @@ def _adamw_kernel(table_ptr, blocks_ptr, skipped_ptr, gscale_ptr,
                   FMT_M: tl.constexpr, FMT_V: tl.constexpr, DRE: tl.constexpr,
                   KNUM_M: tl.constexpr, KNUM_V: tl.constexpr,
                   G: tl.constexpr, BG: tl.constexpr, TABLE_COLS: tl.constexpr, ALIGNED: tl.constexpr,
-                  GSCALE: tl.constexpr, ISA: tl.constexpr):
+                  GSCALE: tl.constexpr, ISA: tl.constexpr, MASTER: tl.constexpr, REM_DTYPE: tl.constexpr):
     pid = tl.program_id(0)
     t = tl.load(blocks_ptr + 2 * pid).to(tl.int64)
     g0 = tl.load(blocks_ptr + 2 * pid + 1)
@@ -109,7 +112,10 @@ def _adamw_kernel(table_ptr, blocks_ptr, skipped_ptr, gscale_ptr,
     offs, valid = group_offsets(gi, n_groups, cols, gpr, G, ALIGNED)
 
     p_ptr = _ptr(row, 0, P_DTYPE, ALIGNED)
-    p = tl.load(p_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    if MASTER == 0:
+        p = tl.load(p_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    else:  # a BF16 parameter (read as its bits) and the remainder of its FP32 master
+        p = load_master(_ptr(row, 0, 6, ALIGNED), _ptr(row, 14, REM_DTYPE, ALIGNED), offs, valid, MASTER)
     g = tl.load(_ptr(row, 1, G_DTYPE, ALIGNED) + offs, mask=valid, other=0.0).to(tl.float32)
     if GSCALE:
         # A clipping coefficient on the device: the gradient as `g.mul_(coef)` would leave it.
@@ -134,11 +140,14 @@ def _adamw_kernel(table_ptr, blocks_ptr, skipped_ptr, gscale_ptr,
     denom = tl.sqrt(v) * g_inv_bc2_sqrt[:, None] + eps
     p_new = p * decay - g_step_size[:, None] * (m * rcp(denom, ISA))
 
-    if P_DTYPE == 1:
-        p_new = round_to_bf16(p_new)
     keep = valid & ok[:, None]
     gkeep = gmask & ok
-    tl.store(p_ptr + offs, p_new.to(p_ptr.dtype.element_ty), mask=keep)
+    if MASTER == 0:
+        if P_DTYPE == 1:
+            p_new = round_to_bf16(p_new)
+        tl.store(p_ptr + offs, p_new.to(p_ptr.dtype.element_ty), mask=keep)
+    else:
+        store_master(_ptr(row, 0, 6, ALIGNED), _ptr(row, 14, REM_DTYPE, ALIGNED), p_new, offs, keep, MASTER)
     _store_moment(row, 2, m, offs, keep, gi, gkeep, QUANT, FMT_M, DRE, KNUM_M, ALIGNED, ISA)
     _store_moment(row, 6, v, offs, keep, gi, gkeep, QUANT, FMT_V, DRE, KNUM_V, ALIGNED, ISA)
     bad = gmask & ~ok
@@ -170,10 +179,10 @@ class _Plan:
         if key == self.key:
             self.key = key  # the caller's own list: a PreparedStep checks it by identity
             return
-        rows = [[*addresses[:10], lay.cols, lay.num_groups, lay.groups_per_row, addresses[10], 0, 0]
+        rows = [[*addresses[:10], lay.cols, lay.num_groups, lay.groups_per_row, *addresses[10:12], 0]
                 for addresses, lay in zip(key, self.layouts)]
         # 16-byte vector access needs every row start and every base address aligned.
-        self.aligned = all(r[10] % 16 == 0 and all(a % 16 == 0 for a in (*r[:10], r[13])) for r in rows)
+        self.aligned = all(r[10] % 16 == 0 and all(a % 16 == 0 for a in (*r[:10], r[13], r[14])) for r in rows)
         self.table = _to_device(rows, self.device)
         self.key = key
 
@@ -182,11 +191,12 @@ _data_ptr = torch.Tensor.data_ptr
 
 
 def _addresses(s: AdamWSlot) -> tuple[int, ...]:
+    rem = 0 if s.remainder is None else _data_ptr(s.remainder)
     if isinstance(s.exp_avg, QuantizedGroups):
         return (_data_ptr(s.param), _data_ptr(s.grad), *map(_data_ptr, s.exp_avg), *map(_data_ptr, s.exp_avg_sq),
-                _data_ptr(s.skips))
+                _data_ptr(s.skips), rem)
     return (_data_ptr(s.param), _data_ptr(s.grad), _data_ptr(s.exp_avg), 0, 0, 0, _data_ptr(s.exp_avg_sq), 0, 0, 0,
-            _data_ptr(s.skips))
+            _data_ptr(s.skips), rem)
 
 
 def _key(slots: list[AdamWSlot]) -> list[tuple[int, ...]]:
@@ -239,6 +249,7 @@ class _Launch:
 
     def __init__(self, slots: list[AdamWSlot], plan: _Plan, fmt_m: str, fmt_v: str, dre: bool, group_size: int):
         fm, fv = get_format(fmt_m), get_format(fmt_v)
+        bits = master.slots_kind(slots)  # raises for a remainder that does not fit its parameter
         self.plan = plan
         self.device = slots[0].param.device
         self.grad_dtype = slots[0].grad.dtype
@@ -246,7 +257,7 @@ class _Launch:
             P_DTYPE=_DTYPE_IDS[slots[0].param.dtype], G_DTYPE=_DTYPE_IDS[self.grad_dtype],
             QUANT=isinstance(slots[0].exp_avg, QuantizedGroups), FMT_M=fm.id, FMT_V=fv.id, DRE=dre,
             KNUM_M=K_ONE * fm.dre_log2_range, KNUM_V=K_ONE * fv.dre_log2_range, G=group_size,
-            BG=plan.bg, TABLE_COLS=_TABLE_COLS, num_warps=STEP_WARPS)
+            BG=plan.bg, TABLE_COLS=_TABLE_COLS, MASTER=bits, REM_DTYPE=6 if bits == 16 else 4, num_warps=STEP_WARPS)
 
     def __call__(self, hyper: AdamWHyper, skipped: torch.Tensor | None, grad_scale: torch.Tensor | None) -> None:
         if skipped is None:
@@ -294,7 +305,7 @@ class PreparedStep:
         slots = _checked([slots[i] for i in self.live], group_size)
         self.key = _key(slots)
         # What the table points at, gradients aside, lives as long as the table.
-        self.held = [(s.param, s.exp_avg, s.exp_avg_sq, s.skips) for s in slots]
+        self.held = [(s.param, s.exp_avg, s.exp_avg_sq, s.skips, s.remainder) for s in slots]
         self.launch = _Launch(slots, _bound_plan(slots, self.key, group_size, plan_cache), fmt_m, fmt_v, dre,
                               group_size) if slots else None
         self.grad_ptrs = [k[1] for k in self.key]
@@ -338,6 +349,8 @@ def flat_slots(slots: list[AdamWSlot]) -> tuple[list, list, list, list, list]:
     def moment(m):
         return list(m) if isinstance(m, QuantizedGroups) else [m]
 
+    if any(s.remainder is not None for s in slots):
+        raise ValueError("coat_ds::adamw_step takes FP32 or BF16 parameters without a master remainder")
     return ([s.param for s in slots], [s.grad for s in slots], [t for s in slots for t in moment(s.exp_avg)],
             [t for s in slots for t in moment(s.exp_avg_sq)],
             [s.param.new_empty((0,), dtype=torch.int32) if s.skips is None else s.skips for s in slots])

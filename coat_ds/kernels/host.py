@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from . import host_native
+from . import master
 from .fp8 import Fp8Format, get_format
 from .fp8_torch import exact_div
 from .group_codec import dequantize_grouped, grouped, quantize_grouped, ungrouped
@@ -75,13 +76,15 @@ def adamw_step(
     A group (G consecutive elements of a row) whose gradient or new moments are not finite
     is left untouched (parameter and both moments); their count is added to `skipped` and
     to the group's entry of `slot.skips`. A group that skipped s steps before is
-    bias-corrected at step - s, as if those steps had not happened for it.
+    bias-corrected at step - s, as if those steps had not happened for it. A slot with a
+    `remainder` steps the FP32 master it holds with its BF16 parameter and writes both back.
     `plan_cache` is accepted for signature parity with the Triton launcher and unused."""
     fm, fv = get_format(fmt_m), get_format(fmt_v)
     for slot in slots:
         if slot.param.numel() == 0:
             continue
-        p = grouped(slot.param, group_size).to(torch.float32)
+        rem = slot.remainder
+        p = grouped(slot.param if rem is None else master.join(slot.param, rem), group_size).to(torch.float32)
         g = grouped(slot.grad, group_size).to(torch.float32)
         m = _moment_in(slot.exp_avg, group_size, fm)
         v = _moment_in(slot.exp_avg_sq, group_size, fv)
@@ -91,8 +94,12 @@ def adamw_step(
         step_size, inv_bc2_sqrt = _group_bias_corrections(hyper, slot.skips, ok.shape, p.device)
         denom = torch.sqrt(v) * inv_bc2_sqrt[..., None] + hyper.eps
         p_new = p * (1 - hyper.lr * hyper.weight_decay) - step_size[..., None] * (m / denom)
-        p_new = torch.where(ok[..., None], p_new, p)
-        slot.param.copy_(ungrouped(p_new, slot.param.shape))
+        p_new = ungrouped(torch.where(ok[..., None], p_new, p), slot.param.shape)
+        if rem is None:
+            slot.param.copy_(p_new)
+        else:
+            for dst, src in zip((slot.param, rem), master.split(p_new, master.remainder_bits(rem))):
+                dst.copy_(src)
         _moment_out(slot.exp_avg, m, ok, group_size, fm, dre)
         _moment_out(slot.exp_avg_sq, v, ok, group_size, fv, dre)
         if slot.skips is not None:
@@ -157,12 +164,13 @@ def chunk_slots(slot: AdamWSlot, group_size: int, chunk_elems: int) -> list[Adam
         return []
     rows, cols = lay.rows, lay.cols
     p, g = slot.param.view(rows, cols), slot.grad.view(rows, cols)
+    rem = None if slot.remainder is None else slot.remainder.view(rows, cols)
     out = []
 
     def add(r: slice, c: slice, gs: slice):
         out.append(AdamWSlot(p[r, c], g[r, c], _moment_part(slot.exp_avg, rows, cols, r, c, gs),
                              _moment_part(slot.exp_avg_sq, rows, cols, r, c, gs),
-                             None if slot.skips is None else slot.skips[r, gs]))
+                             None if slot.skips is None else slot.skips[r, gs], None if rem is None else rem[r, c]))
 
     if cols >= chunk_elems:
         groups = max(1, chunk_elems // group_size)
@@ -225,7 +233,8 @@ def host_step(slots: list[AdamWSlot], hyper: AdamWHyper, *, group_size: int = 12
                 skipped += n
     whole, parts = [], []
     for s in slots:
-        host = all(t.device.type == "cpu" and t.is_contiguous() for t in (s.param, s.grad))
+        host = all(t.device.type == "cpu" and t.is_contiguous() for t in (s.param, s.grad)) and (
+            s.remainder is None or s.remainder.is_contiguous())
         if host and s.param.numel() > chunk_elems:
             parts.extend(chunk_slots(s, group_size, chunk_elems))
         else:

@@ -221,13 +221,45 @@ inline void store(uint16_t* p, int64_t i, float x) {
   p[i] = std::isnan(x) ? 0x7FC0 : static_cast<uint16_t>((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
 }
 
+// A BF16 parameter with the low part of its FP32 master (kernels/master.py): the step reads
+// the master as (hi << 16) + remainder, or ((hi << 8) + remainder) << 8, and writes it back
+// split the same way, so the FP32 result is stepped and stored as the reference does.
+template <typename R> struct Master {
+  uint16_t* hi;
+  R* lo;
+};
+
+inline float load(const Master<int16_t>& p, int64_t i) {
+  return float_of((static_cast<uint32_t>(p.hi[i]) << 16) + static_cast<uint32_t>(static_cast<int32_t>(p.lo[i])));
+}
+inline float load(const Master<int8_t>& p, int64_t i) {
+  return float_of(((static_cast<uint32_t>(p.hi[i]) << 8) + static_cast<uint32_t>(static_cast<int32_t>(p.lo[i])))
+                  << 8);
+}
+inline void store(const Master<int16_t>& p, int64_t i, float x) {
+  const uint32_t b = bits_of(x);
+  const bool nan = std::isnan(x);
+  p.hi[i] = nan ? 0x7FC0 : static_cast<uint16_t>((b + 0x8000u) >> 16);
+  p.lo[i] = nan ? 0 : static_cast<int16_t>(static_cast<uint16_t>(b & 0xFFFFu));
+}
+inline void store(const Master<int8_t>& p, int64_t i, float x) {
+  constexpr uint32_t kExp24 = 0xFFu << 15;
+  const uint32_t b = bits_of(x);
+  uint32_t c = (b + 0x80u) >> 8;
+  if ((c & kExp24) == kExp24 && ((b >> 8) & kExp24) != kExp24) c = b >> 8;  // no carry into inf
+  const uint32_t hi = (c + 0x80u) >> 8;
+  const bool nan = std::isnan(x);
+  p.hi[i] = nan ? 0x7FC0 : static_cast<uint16_t>(hi);
+  p.lo[i] = nan ? 0 : static_cast<int8_t>(static_cast<int32_t>(c) - static_cast<int32_t>(hi << 8));
+}
+
 // Magnitude bits of a float: for finite values ordered as the magnitudes are, so a group's
 // range and finiteness are integer reductions, which vectorize (float max/min do not
 // without fast-math).
 constexpr uint32_t kAbsMask = 0x7FFFFFFFu, kExpMask = 0x7F800000u;
 
 template <typename PT, typename GT>
-int64_t run(PT* param, const GT* grad, const Moment& mm, const Moment& mv, const Step& s, int64_t g0, int64_t g1) {
+int64_t run(PT param, const GT* grad, const Moment& mm, const Moment& mv, const Step& s, int64_t g0, int64_t g1) {
   const int64_t G = s.group_size, B = std::max<int64_t>(1, kBatchElems / G);
   Scratch w(B, G);
   std::vector<int64_t> off(B), len(B);
@@ -300,19 +332,31 @@ int64_t run(PT* param, const GT* grad, const Moment& mm, const Moment& mv, const
   return skipped;
 }
 
+template <typename GT>
+int64_t run_param(void* param, int p_bf16, void* rem, int rem_bits, const GT* grad, const Moment& mm,
+                  const Moment& mv, const Step& s, int64_t g0, int64_t g1) {
+  uint16_t* hi = static_cast<uint16_t*>(param);
+  if (rem_bits == 16) return run(Master<int16_t>{hi, static_cast<int16_t*>(rem)}, grad, mm, mv, s, g0, g1);
+  if (rem_bits == 8) return run(Master<int8_t>{hi, static_cast<int8_t*>(rem)}, grad, mm, mv, s, g0, g1);
+  if (p_bf16) return run(hi, grad, mm, mv, s, g0, g1);
+  return run(static_cast<float*>(param), grad, mm, mv, s, g0, g1);
+}
+
 }  // namespace
 
 extern "C" {
 
 // One AdamW step over groups [g0, g1) of a contiguous (rows, cols) tensor; returns how many
 // of them were skipped for non-finite values. p_bf16 / g_bf16: BF16 instead of FP32.
+// rem / rem_bits: the int16 (16) or int8 (8) remainder of a BF16 parameter's FP32 master, or
+// null / 0.
 // m_fmt / v_fmt: -1 FP32 moment (center, kcode, sexp unused), 0 E4M3, 1 E5M2.
 // hyper: lr * weight decay complement (1 - lr * wd), beta1, beta2, eps, step_size,
 // 1 / bias_correction2_sqrt, 1 - beta1, 1 - beta2, lr, step, log2(beta1), log2(beta2), as
 // float64 (cast to float32 here, as torch casts a Python scalar). skips: int32 per group
 // (rows x groups per row) or null. fmt_dre: K_ONE * dre_log2_range of m's and v's formats.
 // kcodes: K_ONE, K_MIN_CODE, K_MAX_CODE.
-int64_t coat_host_adamw_step(void* param, int p_bf16, const void* grad, int g_bf16, void* m, float* m_center,
+int64_t coat_host_adamw_step(void* param, int p_bf16, void* rem, int rem_bits, const void* grad, int g_bf16, void* m, float* m_center,
                              uint8_t* m_kcode, int8_t* m_sexp, int m_fmt, void* v, float* v_center, uint8_t* v_kcode,
                              int8_t* v_sexp, int v_fmt, int64_t cols, int64_t group_size, const double* hyper,
                              const double* fmt_dre, const int64_t* kcodes, int dre, int32_t* skips, int64_t g0,
@@ -341,14 +385,8 @@ int64_t coat_host_adamw_step(void* param, int p_bf16, const void* grad, int g_bf
   Moment mm{m, m_center, m_kcode, m_sexp, m_fmt, static_cast<float>(fmt_dre[0])};
   Moment mv{v, v_center, v_kcode, v_sexp, v_fmt, static_cast<float>(fmt_dre[1])};
   int mkl_threads = MKL_Set_Num_Threads_Local != nullptr ? MKL_Set_Num_Threads_Local(1) : 0;
-  int64_t skipped;
-  if (p_bf16) {
-    skipped = g_bf16 ? run(static_cast<uint16_t*>(param), static_cast<const uint16_t*>(grad), mm, mv, s, g0, g1)
-                     : run(static_cast<uint16_t*>(param), static_cast<const float*>(grad), mm, mv, s, g0, g1);
-  } else {
-    skipped = g_bf16 ? run(static_cast<float*>(param), static_cast<const uint16_t*>(grad), mm, mv, s, g0, g1)
-                     : run(static_cast<float*>(param), static_cast<const float*>(grad), mm, mv, s, g0, g1);
-  }
+  const int64_t skipped = g_bf16 ? run_param(param, p_bf16, rem, rem_bits, static_cast<const uint16_t*>(grad), mm, mv, s, g0, g1)
+                   : run_param(param, p_bf16, rem, rem_bits, static_cast<const float*>(grad), mm, mv, s, g0, g1);
   if (MKL_Set_Num_Threads_Local != nullptr) MKL_Set_Num_Threads_Local(mkl_threads);  // 0: the global setting again
   return skipped;
 }

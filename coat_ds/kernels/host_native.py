@@ -20,6 +20,7 @@ import torch
 
 from .fp8 import K_MAX_CODE, K_MIN_CODE, K_ONE, Fp8Format
 from .layout import AdamWHyper, AdamWSlot, QuantizedGroups
+from .master import remainder_bits
 
 __all__ = ["library", "slot_args", "step_consts", "step_range", "DISABLE_ENV"]
 
@@ -39,7 +40,7 @@ _lib: list = [None, False]  # the loaded library, and whether loading was tried
 _lock = threading.Lock()
 
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-_ARGTYPES = [_P, _I, _P, _I, _P, _P, _P, _P, _I, _P, _P, _P, _P, _I, _I64, _I64, _P, _P, _P, _I, _P, _I64, _I64]
+_ARGTYPES = [_P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _I, _P, _P, _P, _P, _I, _I64, _I64, _P, _P, _P, _I, _P, _I64, _I64]
 
 
 def _build() -> ctypes.CDLL:
@@ -108,9 +109,14 @@ def slot_args(slot: AdamWSlot, fmt_m: Fp8Format, fmt_v: Fp8Format, cols: int) ->
     m, v = _moment(slot.exp_avg, p.shape), _moment(slot.exp_avg_sq, p.shape)
     if m is None or v is None:
         return None
+    rem = slot.remainder
+    if rem is not None and (p.dtype != torch.bfloat16 or rem.shape != p.shape or not rem.is_contiguous()
+                            or rem.device.type != "cpu"):
+        return None
     mf = fmt_m.id if isinstance(slot.exp_avg, QuantizedGroups) else -1
     vf = fmt_v.id if isinstance(slot.exp_avg_sq, QuantizedGroups) else -1
-    return (p.data_ptr(), _PDTYPES[p.dtype], g.data_ptr(), _PDTYPES[g.dtype], *m, mf, *v, vf, cols,
+    return (p.data_ptr(), _PDTYPES[p.dtype], None if rem is None else rem.data_ptr(), remainder_bits(rem),
+            g.data_ptr(), _PDTYPES[g.dtype], *m, mf, *v, vf, cols,
             None if skips is None else skips.data_ptr())
 
 

@@ -63,13 +63,18 @@ class AdamWSlot(NamedTuple):
 
     `skips` (int32, (rows, groups_per_row)) counts the steps each group has skipped for
     non-finite values, so its bias correction uses step - skips; None: no group has skipped
-    one and this step's skips are not recorded per group."""
+    one and this step's skips are not recorded per group.
+
+    `remainder` (int16 or int8, the parameter's shape): with a BF16 `param`, the low part of
+    its FP32 master (kernels/master.py); the step reads and writes both. None: `param` is
+    the master."""
 
     param: torch.Tensor
     grad: torch.Tensor
     exp_avg: "QuantizedGroups | torch.Tensor"
     exp_avg_sq: "QuantizedGroups | torch.Tensor"
     skips: "torch.Tensor | None" = None
+    remainder: "torch.Tensor | None" = None
 
 
 class AdamWHyper(NamedTuple):

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from ..config import AdamWHyperparams, OptimStateConfig
 from ..kernels import AdamWSlot
 from ..memory.tensors import local_tensor as _local
-from . import sharded
+from . import master, sharded
 from . import state as st
 from . import watch
 from .loading import check_state, is_fp32_layout, merge_groups
@@ -27,7 +27,6 @@ __all__ = ["CoatAdamW", "nonfinite_groups"]
 
 _CONFIG_KEYS = tuple(OptimStateConfig.__dataclass_fields__)
 _OPTION_DEFAULTS = {f.name: f.default for f in dataclasses.fields(OptimStateConfig)}
-
 
 _GRAD = attrgetter("grad")
 # Prepared steps kept: ZeRO-3 steps each sub-group's own tensor list.
@@ -45,28 +44,15 @@ def _lr_value(lr):
     return float(lr.item())
 
 
-def _check_param(p: torch.Tensor, grad: torch.Tensor, group: int, index: int) -> None:
-    if grad.is_sparse:
-        raise ValueError(f"CoatAdamW does not support sparse gradients (parameter {index} of param group {group})")
-    dtype = _local(p).dtype
-    if dtype != torch.float32:
-        # Rounding each update to 8 (BF16) or 11 (FP16) bits loses every update smaller than
-        # half a unit in the last place: at lr 1e-4 almost no BF16 element ever changes.
-        raise ValueError(
-            f"CoatAdamW needs float32 parameters (master weights); parameter {index} of param group {group} is "
-            f"{dtype}. Keep FP32 parameters and compute in BF16 (torch.autocast, DeepSpeed bf16, FSDP "
-            "MixedPrecisionPolicy(param_dtype=torch.bfloat16)): updates below BF16's precision would be lost")
-
-
-class CoatAdamW(InBackwardMethods, torch.optim.Optimizer):
+class CoatAdamW(InBackwardMethods, master.MasterMethods, torch.optim.Optimizer):
     """AdamW whose moments are stored in FP8 with per-group DRE (about 2.13 bytes/param).
 
     A drop-in for `torch.optim.AdamW` (decoupled weight decay, bias correction) on float32
-    parameters (a BF16/FP16 parameter is refused at the first step). Every option below may
-    also be set per param group. The step is one fused Triton launch per (dtype, step) bucket
-    of a param group on CUDA, a fused C++ kernel on host tensors (CPU training, ZeRO-Offload;
-    coat_ds/kernels/host.py, built on first use, off with COAT_DS_HOST_KERNEL_DISABLE=1), and
-    the pure-torch reference, which computes the same, where neither runs.
+    parameters (BF16 ones with `master_weights`; others are refused at the first step). Every
+    option below may also be set per param group. The step is one fused Triton launch per
+    (dtype, step) bucket of a param group on CUDA, a fused C++ kernel on host tensors (CPU
+    training, ZeRO-Offload; coat_ds/kernels/host.py, built on first use, off with
+    COAT_DS_HOST_KERNEL_DISABLE=1), and the pure-torch reference, computing the same, elsewhere.
 
     Args:
         lr, betas, eps, weight_decay: as `torch.optim.AdamW` (`lr` may be a one-element tensor).
@@ -81,6 +67,9 @@ class CoatAdamW(InBackwardMethods, torch.optim.Optimizer):
             checks the gradients first (host syncs) and raises FloatingPointError before
             anything changes.
         backend: "auto" (Triton on CUDA, else as "torch"), "triton" or "torch" (host: C++).
+        master_weights: "fp32" (the parameter is the master), "bf16+16" (BF16 parameter + 16-bit
+            remainder: the exact FP32 master) or "bf16+8" (+ 8 bits: 15 mantissa bits); FP32
+            parameters of such a group become BF16 in place, nothing lost (optim/master.py).
         step_in_backward: step each parameter during backward, as soon as its gradient is
             complete, and free that gradient (optim/in_backward.py; docs/optimizer.md).
             `step()` then closes the step; `accumulating()` holds the step back for
@@ -95,8 +84,8 @@ class CoatAdamW(InBackwardMethods, torch.optim.Optimizer):
                  weight_decay: float = 1e-2, *, first_moment_format: str = "e4m3",
                  second_moment_format: str = "e4m3", group_size: int = 128,
                  dynamic_range_expansion: bool = True, min_quant_numel: int = 4096,
-                 nonfinite: str = "skip", backend: str = "auto", step_in_backward: bool = False,
-                 max_grad_norm: float | None = None):
+                 nonfinite: str = "skip", backend: str = "auto", master_weights: str = "fp32",
+                 step_in_backward: bool = False, max_grad_norm: float | None = None):
         if not isinstance(step_in_backward, bool):
             raise ValueError(f"step_in_backward must be True or False, got {step_in_backward!r}")
         max_grad_norm = check_max_grad_norm(max_grad_norm, step_in_backward)
@@ -104,7 +93,8 @@ class CoatAdamW(InBackwardMethods, torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         first_moment_format=first_moment_format, second_moment_format=second_moment_format,
                         group_size=group_size, dynamic_range_expansion=dynamic_range_expansion,
-                        min_quant_numel=min_quant_numel, nonfinite=nonfinite, backend=backend)
+                        min_quant_numel=min_quant_numel, nonfinite=nonfinite, backend=backend,
+                        master_weights=master_weights)
         self._validate(defaults)
         super().__init__(params, defaults)
         self._skips = SkipCounter()
@@ -143,6 +133,7 @@ class CoatAdamW(InBackwardMethods, torch.optim.Optimizer):
         group = self.param_groups[-1]
         _, cfg = self._validate(group)
         group["first_moment_format"], group["second_moment_format"] = cfg.first_moment_format, cfg.second_moment_format
+        master.adopt(group["params"], cfg, self.state)
         if self._in_backward is not None:
             self._in_backward.watch(len(self.param_groups) - 1, group["params"])
 
@@ -219,7 +210,7 @@ class CoatAdamW(InBackwardMethods, torch.optim.Optimizer):
             taken = prepared.check(self.state, group_grads) if prepared is not None and prepared.cfg == cfg else None
             if taken is None:
                 for i, (p, g) in enumerate(zip(params, group_grads)):
-                    _check_param(p, g, gi, i)
+                    master.check_param(p, g, gi, i, cfg)
                 prepared = None
             checked.append((hp, cfg, params, group_grads, prepared, taken))
             if cfg.nonfinite == "raise":
@@ -250,14 +241,15 @@ class CoatAdamW(InBackwardMethods, torch.optim.Optimizer):
         for p, g in zip(params, grads):
             local = _local(p)
             state = self.state[p]
-            if not state:
+            if "step" not in state:  # a remainder may be there since the group was added
                 state.update(st.init_state(local, sharded.global_numel(p) >= cfg.min_quant_numel, cfg))
             if st.SKIPS_KEY not in state:  # state set by hand or by an older version
                 state[st.SKIPS_KEY] = st.zero_skips(local, cfg.group_size)
             grad = _local(g)
             states.append(state)
             slots.append(AdamWSlot(local, grad if grad.is_contiguous() else grad.contiguous(),
-                                   *st.kernel_moments(state, cfg), state[st.SKIPS_KEY]))
+                                   *st.kernel_moments(state, cfg), state[st.SKIPS_KEY],
+                                   master.remainder(state, local, cfg)))
         prepared = GroupStep(params, states, slots, cfg, self._plan_cache)
         if len(self._group_steps) >= _MAX_GROUP_STEPS:
             self._group_steps.pop(next(iter(self._group_steps)))
@@ -274,18 +266,18 @@ class CoatAdamW(InBackwardMethods, torch.optim.Optimizer):
     # -- memory report --------------------------------------------------------------------
 
     def state_bytes(self) -> dict:
-        """Exact bytes of this rank's moment state, and per parameter element it covers."""
+        """Exact bytes of this rank's moment state, per element it covers, and of its masters."""
         total, numel, fp8_numel = 0, 0, 0
         for p, state in self.state.items():
-            if not state:
+            if "step" not in state:
                 continue
             n = _local(p).numel()
-            total += st.state_bytes(state)
+            total += st.state_bytes(state) - master.remainder_bytes(state)
             numel += n
             fp8_numel += n if st.is_quantized(state) else 0
         return {"state_bytes": total, "numel": numel, "fp8_numel": fp8_numel,
-                "bytes_per_param": total / numel if numel else 0.0,
-                "fp32_adamw_bytes": 8 * numel}
+                "bytes_per_param": total / numel if numel else 0.0, "fp32_adamw_bytes": 8 * numel,
+                **master.master_bytes(self.param_groups, self.state)}
 
     # -- checkpoints ----------------------------------------------------------------------
 
@@ -302,7 +294,8 @@ class CoatAdamW(InBackwardMethods, torch.optim.Optimizer):
         """As torch's; for DTensor (FSDP2) parameters every shaped state tensor is a DTensor
         on the parameter's mesh (views of the live state, see `optim/sharded.py`), so
         `torch.distributed.checkpoint` saves each rank's shard and can reshard on load."""
-        sd = super().state_dict()
+        master.complete(self.param_groups, self.state, lambda g: self._validate(g)[1])
+        sd = master.saved_groups(super().state_dict())
         cfg_of = self._config_of()
         for pid, p in self._by_saved_id(sd["param_groups"]):
             if isinstance(p, DTensor) and pid in sd["state"]:
@@ -328,6 +321,8 @@ class CoatAdamW(InBackwardMethods, torch.optim.Optimizer):
 
     def _install(self, groups: list[dict], state: dict) -> None:
         self.__setstate__({"state": state, "param_groups": groups})
+        for group in groups:
+            master.install(group["params"], self.state, self._validate(group)[1])
 
     def _loaded(self, state_dict: dict, fp32_only: bool) -> tuple[list[dict], dict]:
         """(param groups, state) that loading `state_dict` gives, built without touching self."""
@@ -347,9 +342,10 @@ class CoatAdamW(InBackwardMethods, torch.optim.Optimizer):
         state: defaultdict = defaultdict(dict)
         for pid, p in id_map.items():
             entry = saved.get(pid)
-            if not entry:
-                continue
             cfg, local = cfg_of[id(p)], _local(p)
+            if not entry:
+                master.loaded({}, state, p, self.state.get(p), local)
+                continue
             if not isinstance(entry, dict):
                 raise ValueError(f"state dict entry for parameter {pid}: expected a dict, got {type(entry).__name__}")
             if is_fp32_layout(entry):
@@ -369,21 +365,22 @@ class CoatAdamW(InBackwardMethods, torch.optim.Optimizer):
                                 else v.detach().to(local.device, copy=True)) for k, v in entry.items()}
                 # A state dict saved before groups counted their skips: none skipped.
                 state[p].setdefault(st.SKIPS_KEY, st.zero_skips(local, cfg.group_size))
+            master.loaded(entry, state, p, self.state.get(p), local)
         return groups, state
 
     def fp32_state_dict(self) -> dict:
         """This optimizer's state in torch.optim.AdamW's layout (FP32 exp_avg/exp_avg_sq, each
         group's skipped steps folded into its moments, see `state.to_fp32`); DTensors like
         the parameter for DTensor parameters."""
-        sd = super().state_dict()
+        sd = master.saved_groups(super().state_dict())
         pairs = self._by_saved_id(sd["param_groups"])
         cfg_of = self._config_of()
         betas_of = {id(p): tuple(g["betas"]) for g in self.param_groups for p in g["params"]}
-        sd["state"] = {pid: st.to_fp32(self.state[p], cfg_of[id(p)], betas_of[id(p)])
-                       for pid, p in pairs if self.state.get(p)}
+        sd["state"] = {pid: {**st.to_fp32(state, cfg_of[id(p)], betas_of[id(p)]), **master.remainder_of(state)}
+                       for pid, p in pairs if "step" in (state := self.state.get(p, {}))}
         for pid, p in pairs:
             if isinstance(p, DTensor) and pid in sd["state"]:
-                sd["state"][pid] = {k: sharded.wrap_like(v, p) if k in st.MOMENTS else v
+                sd["state"][pid] = {k: sharded.wrap_like(v, p) if k in sharded.PER_ELEMENT else v
                                     for k, v in sd["state"][pid].items()}
         return sd
 

@@ -18,8 +18,9 @@ import torch
 from ..config import OptimStateConfig
 from ..kernels import get_format, group_layout
 from ..kernels.fp8 import K_MAX_CODE
+from .master import check_saved
 from .moment import MOMENTS, PART_DTYPES, Fp8Moment, moment_format
-from .state import SKIPS_KEY
+from .state import REMAINDER_KEY, SKIPS_KEY
 
 __all__ = ["merge_groups", "check_state", "is_fp32_layout", "QUANT_KEYS"]
 
@@ -32,7 +33,9 @@ _SEXP_RANGE = (-126, 127)
 
 def merge_groups(current: list[dict], saved: list[dict]) -> list[dict]:
     """The param groups after loading `saved`: its options (as torch does), every option it
-    lacks taken from the current group, `params` kept. Raises before returning anything."""
+    lacks taken from the current group, `params` and `master_weights` kept (the parameters'
+    dtype is the model's; a saved master converts on load, optim/master.py). Raises before
+    returning anything."""
     if len(current) != len(saved):
         raise ValueError(f"loaded state dict has {len(saved)} parameter group(s), the optimizer has {len(current)}")
     merged = []
@@ -44,6 +47,8 @@ def merge_groups(current: list[dict], saved: list[dict]) -> list[dict]:
             if sav.get(key, default) != default:
                 raise ValueError(f"param_groups[{i}][{key!r}] = {sav[key]!r}: CoatAdamW does not implement it")
         group = {**{k: v for k, v in cur.items() if k != "params"}, **sav, "params": cur["params"]}
+        if "master_weights" in cur:
+            group["master_weights"] = cur["master_weights"]
         if "param_names" in cur and "param_names" not in sav:
             group["param_names"] = cur["param_names"]
         merged.append(group)
@@ -87,9 +92,10 @@ def check_state(pid, state, local: torch.Tensor, cfg: OptimStateConfig) -> None:
     expected = {"step", *(MOMENTS if fp32 else QUANT_KEYS)}
     for key in sorted(expected - state.keys()):
         _fail(pid, key, "missing")
-    for key in sorted(set(state) - expected - {SKIPS_KEY}, key=str):
+    for key in sorted(set(state) - expected - {SKIPS_KEY, REMAINDER_KEY}, key=str):
         _fail(pid, key, "unexpected key" + (" (mixes the FP32 and FP8 layouts)" if key in MOMENTS else ""))
     _check_step(pid, state["step"])
+    check_saved(pid, state, local, cfg)
     lay = group_layout(local.shape, cfg.group_size)
     if SKIPS_KEY in state:
         skips = _check_tensor(pid, SKIPS_KEY, state[SKIPS_KEY], torch.int32, lay.meta_shape)

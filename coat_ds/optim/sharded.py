@@ -19,7 +19,8 @@ mesh, and `load_state_dict()` unwraps them. Two layouts of the per-group metadat
   element and quantized again, an error of one FP8 rounding on that group only.
 
 `group_skips` (steps each group skipped) is metadata like the others; a group that mixes
-saved groups takes the largest of their counts.
+saved groups takes the largest of their counts. A master remainder (`master_weights`) is
+shaped and sharded like the parameter, so DCP saves and reshards it exactly.
 """
 from __future__ import annotations
 
@@ -32,12 +33,14 @@ from ..config import OptimStateConfig
 from ..kernels import QuantizedGroups, group_layout
 from ..memory.tensors import local_tensor
 from .moment import MOMENTS, Fp8Moment
-from .state import SKIPS_KEY
+from .state import REMAINDER_KEY, SKIPS_KEY
 
-__all__ = ["global_numel", "mark_global_numel", "to_dtensor_state", "from_dtensor_state", "local_fp32_state",
-           "wrap_like"]
+__all__ = ["PER_ELEMENT", "global_numel", "mark_global_numel", "to_dtensor_state", "from_dtensor_state",
+           "local_fp32_state", "wrap_like"]
 
 _GLOBAL_NUMEL_ATTR = "_coat_global_numel"
+# State keys of FP32-layout tensors shaped like the parameter (sharded like it).
+PER_ELEMENT = (*MOMENTS, REMAINDER_KEY)
 
 
 def global_numel(p: torch.Tensor) -> int:
@@ -113,6 +116,8 @@ def to_dtensor_state(state: dict, p: DTensor, cfg: OptimStateConfig) -> dict:
             out[name] = wrap_like(state[name], p)
     if SKIPS_KEY in state:
         out[SKIPS_KEY] = _wrap_meta(state[SKIPS_KEY], p, layout, cfg.group_size)
+    if REMAINDER_KEY in state:
+        out[REMAINDER_KEY] = wrap_like(state[REMAINDER_KEY], p)
     return out
 
 
@@ -186,7 +191,7 @@ def _local_skips(skips: torch.Tensor, local: torch.Tensor, layout: str, group_si
 def local_fp32_state(state: dict, p: torch.Tensor | None = None, cfg: OptimStateConfig | None = None) -> dict:
     """An FP32 (torch.optim.AdamW-layout) state's moments (and `group_skips`, given the
     DTensor parameter `p` and its config) as this rank's local tensors."""
-    out = {k: local_tensor(v) if k in MOMENTS else v for k, v in state.items()}
+    out = {k: local_tensor(v) if k in PER_ELEMENT else v for k, v in state.items()}
     if SKIPS_KEY in out and isinstance(p, DTensor):
         out[SKIPS_KEY] = _local_skips(out[SKIPS_KEY], local_tensor(p), _meta_layout(p), cfg.group_size)
     return out

@@ -5,7 +5,8 @@ an `Fp8Moment` (`moment.py`: flat keys `<moment>_codes`, `_center`, `_kcode`, `_
 Smaller parameters keep FP32 `exp_avg` / `exp_avg_sq` exactly like torch.optim.AdamW.
 `step` is a CPU float32 scalar. Every parameter also keeps `group_skips` (int32,
 (rows, groups_per_row)): the steps each group skipped for non-finite values, so that its bias
-correction uses step - group_skips.
+correction uses step - group_skips. A BF16 parameter of a `master_weights="bf16+*"` group
+keeps `master_remainder` (int16 / int8, its shape), the rest of its FP32 master (master.py).
 """
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ from ..kernels import QuantizedGroups, group_layout
 from ..memory.tensors import local_tensor, unique_storage_bytes
 from .moment import MOMENTS, Fp8Moment
 
-__all__ = ["MOMENTS", "SKIPS_KEY", "is_quantized", "init_state", "zero_skips", "moment", "kernel_moments",
-           "state_tensors", "state_bytes", "to_fp32", "from_fp32"]
+__all__ = ["MOMENTS", "SKIPS_KEY", "REMAINDER_KEY", "is_quantized", "init_state", "zero_skips", "moment",
+           "kernel_moments", "state_tensors", "state_bytes", "to_fp32", "from_fp32"]
 
 SKIPS_KEY = "group_skips"
+REMAINDER_KEY = "master_remainder"
 
 
 def is_quantized(state: dict) -> bool:

@@ -41,6 +41,7 @@ from ...io.atomic import atomic_write
 from ...io.checkpoint_folders import Found, find_checkpoint, report_skipped, staged_save
 from ...io.faults import fault_point
 from ...io.safe_load import CheckpointError, listed_refusal, load_file, reading_file, weights_only_loads
+from ...kernels import master as bits
 from ...optim import state as st
 from .engine import coat_optimizer, group_state_config, local_partitions
 
@@ -184,8 +185,20 @@ def _fp32_moments(opt_sd: dict, lengths: list[int]) -> tuple[dict[str, list[torc
     return out, steps
 
 
+def _fp32_masters(opt_sd: dict, flats: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One rank's flat master partitions in FP32: BF16 ones (CoatAdamW master_weights
+    "bf16+*") joined with their remainders, cut like the partitions."""
+    ids = [pid for group in opt_sd["param_groups"] for pid in group["params"]]
+    out = []
+    for pid, flat in zip(ids, flats):
+        rem = (opt_sd["state"].get(pid) or {}).get(st.REMAINDER_KEY)
+        out.append(flat.float() if rem is None else bits.join(flat, rem.reshape(-1)[:flat.numel()]))
+    return out
+
+
 def consolidate_checkpoint(load_dir: str, tag: str | None = None, trust_checkpoint: bool = False) -> dict:
-    """Per-parameter FP32 weights and AdamW moments of a ZeRO-1/2/3 CoatAdamW checkpoint.
+    """Per-parameter FP32 weights and AdamW moments of a ZeRO-1/2/3 CoatAdamW checkpoint (with
+    master_weights "bf16+*", the weights are the BF16 partitions and remainders joined).
 
     Returns {"format", "zero_stage", "world_size", "step", "param_groups", "params",
     "exp_avg", "exp_avg_sq", "engine", "client_state"}; the three tensor dicts are keyed by
@@ -221,6 +234,7 @@ def consolidate_checkpoint(load_dir: str, tag: str | None = None, trust_checkpoi
     moments, steps = {name: [] for name in st.MOMENTS}, set()
     for osd, flats in zip(opt_sds, masters):
         rank_moments, rank_steps = _fp32_moments(osd, [t.numel() for t in flats])
+        flats[:] = _fp32_masters(osd, flats)
         for name in st.MOMENTS:
             moments[name].append(rank_moments[name])
         steps |= rank_steps
@@ -256,6 +270,30 @@ def _scatter(engine, named, parts, full: dict[str, torch.Tensor]) -> list[torch.
     return [t.detach().clone() for t in parts]
 
 
+def _split_masters(engine, named, parts, params: dict[str, torch.Tensor], coat) -> tuple[dict, dict]:
+    """(each partition's remainder state by its index, the values to scatter as masters): under
+    master_weights "bf16+*" (BF16 partitions) `params` split into BF16 values and remainders,
+    else nothing and `params`. DeepSpeed's mapping writes values into the BF16 partitions, so a
+    remainder goes through it as values a BF16 holds exactly: an 8-bit one whole, a 16-bit one
+    as its two bytes."""
+    kinds = {g["master_weights"] for g in coat.param_groups}
+    if len(kinds) > 1:
+        raise ValueError(f"load_fp32_checkpoint: param groups with different master_weights {sorted(kinds)}")
+    n = bits.MASTER_KINDS[kinds.pop()]
+    if not n:
+        return {}, params
+    split = {name: bits.split(params[name].to(torch.float32), n) for name, _ in named}
+    rems = {name: r.to(torch.int32) for name, (_, r) in split.items()}
+    if n == 8:
+        rem = [t.to(torch.int8) for t in _scatter(engine, named, parts, {k: r.float() for k, r in rems.items()})]
+    else:
+        high = _scatter(engine, named, parts, {k: torch.div(r, 256, rounding_mode="floor").float()
+                                               for k, r in rems.items()})
+        low = _scatter(engine, named, parts, {k: torch.remainder(r, 256).float() for k, r in rems.items()})
+        rem = [(h.to(torch.int32) * 256 + lo.to(torch.int32)).to(torch.int16) for h, lo in zip(high, low)]
+    return {i: {st.REMAINDER_KEY: r} for i, r in enumerate(rem)}, {k: hi.float() for k, (hi, _) in split.items()}
+
+
 def load_fp32_checkpoint(engine, ckpt, trust_checkpoint: bool = False) -> dict:
     """Load a `consolidate_checkpoint` result (dict or path) into `engine`, at any
     data-parallel size: master weights, BF16 weights, re-quantized moments, step, the
@@ -274,7 +312,8 @@ def load_fp32_checkpoint(engine, ckpt, trust_checkpoint: bool = False) -> dict:
         raise KeyError(f"checkpoint lacks parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     parts = [t for t, _ in local_partitions(engine)]
     moments = {name: _scatter(engine, named, parts, ckpt[name]) for name in st.MOMENTS}
-    _scatter(engine, named, parts, ckpt["params"])  # last: leaves the masters in place
+    remainders, masters = _split_masters(engine, named, parts, ckpt["params"], coat)
+    _scatter(engine, named, parts, masters)  # last: leaves the masters in place
     refresh_lp_params(engine.optimizer)
 
     with zero3_param_groups_filled(engine.optimizer):
@@ -286,7 +325,7 @@ def load_fp32_checkpoint(engine, ckpt, trust_checkpoint: bool = False) -> dict:
         for pid, t in zip(pids, tensors):
             i = index[id(t)]
             sd["state"][pid] = {"step": torch.tensor(float(ckpt["step"])),
-                                **{name: moments[name][i] for name in st.MOMENTS}}
+                                **{name: moments[name][i] for name in st.MOMENTS}, **remainders.get(i, {})}
         for group, saved in zip(sd["param_groups"], ckpt["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
         coat.load_fp32_state_dict(sd)

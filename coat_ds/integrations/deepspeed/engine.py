@@ -102,6 +102,7 @@ def prepare_config(config) -> tuple[dict, dict | None]:
         # Otherwise DeepSpeed insists on its own DeepSpeedCPUAdam for offloaded states.
         ds["zero_force_ds_cpu_optimizer"] = False
     bf16 = bf16_key(ds)
+    _master_weights(ds, bf16, bf16_enabled, zero.get("stage", 0), offload, kwargs.get("master_weights", "fp32"))
     if (bf16_enabled and zero.get("stage", 0) in (1, 2) and offload == "none"
             and zero.get("compute_grad_norm", True) and "check_grad_overflow" not in ds[bf16]):
         # CoatAdamW skips a step with a non-finite global norm itself (_skip_overflowed_steps),
@@ -110,6 +111,36 @@ def prepare_config(config) -> tuple[dict, dict | None]:
     ds["zero_allow_untested_optimizer"] = True
     del ds["optimizer"]
     return ds, kwargs
+
+
+# DeepSpeed's switches that make ZeRO's flat master partitions (and gradients) BF16; the second
+# only lifts its demand for ZeRO-Offload with DeepSpeedCPUAdam (runtime/base_optimizer.py,
+# _configure_master_weights): a client optimizer keeps whatever state it keeps.
+_BF16_MASTER_KEYS = ("bf16_master_weights_and_grads", "bf16_optimizer_states")
+
+
+def _master_weights(ds: dict, bf16: str, bf16_enabled: bool, stage: int, offload: str, master_weights: str) -> None:
+    """CoatAdamW's master_weights under ZeRO: "bf16+16" / "bf16+8" need DeepSpeed to hand it
+    BF16 partitions, whose remainders it keeps; set DeepSpeed's switches for that."""
+    section = ds.get(bf16) or {}
+    if master_weights == "fp32":
+        if section.get(_BF16_MASTER_KEYS[0]):
+            raise ValueError(f"DeepSpeed config: {bf16}.{_BF16_MASTER_KEYS[0]}=true hands {OPTIMIZER_TYPE} BF16 "
+                             "partitions, which it steps only with optimizer.params.master_weights 'bf16+16' (the "
+                             "exact FP32 master as BF16 + a 16-bit remainder) or 'bf16+8'")
+        return
+    if not bf16_enabled or stage not in (1, 2, 3):
+        raise ValueError(f"DeepSpeed config: optimizer.params.master_weights={master_weights!r} needs BF16 "
+                         f"parameters and ZeRO stage 1, 2 or 3 (DeepSpeed's BF16 master partitions): set "
+                         f"{bf16}.enabled true and zero_optimization.stage")
+    if offload != "none":
+        # DeepSpeed 0.19.8 asserts `type(self.optimizer) in [DeepSpeedCPUAdam]` for BF16 master
+        # partitions with optimizer offload (stage_1_and_2.py _enforce_cpu_offload, stage3.py
+        # _enforce_optimizer_offload, called from base_optimizer.py _configure_master_weights).
+        raise ValueError(f"DeepSpeed config: optimizer.params.master_weights={master_weights!r} with "
+                         f"offload_optimizer: DeepSpeed accepts BF16 master partitions with offload only for its "
+                         "own DeepSpeedCPUAdam; use master_weights 'fp32' there")
+    ds[bf16] = {**section, **dict.fromkeys(_BF16_MASTER_KEYS, True)}
 
 
 def optimizer_settings(ds: dict, path: str, engine: str = "fsdp") -> tuple[str, dict]:
@@ -239,10 +270,23 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, *, 
     result = deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                                   config=ds_config, **kwargs)
     _skip_overflowed_steps(result[0])
+    _drop_model_param_states(result[0])
     if coat_kwargs is not None:
         # Every rank prints: partitions differ (the last rank holds the padding).
         print(state_memory_report(result[0]).describe(), flush=True)
     return result
+
+
+def _drop_model_param_states(engine) -> None:
+    """Drop the state CoatAdamW gave the model's parameters when it was built (master_weights
+    "bf16+*" builds every state then): ZeRO steps its own flat partitions instead, and torch's
+    state_dict() has no id for a tensor outside the param groups."""
+    opt = coat_optimizer(engine)
+    if opt is None:
+        return
+    stepped = {id(p) for g in opt.param_groups for p in g["params"]}
+    for p in [p for p in opt.state if id(p) not in stepped]:
+        del opt.state[p]
 
 
 def _skip_overflowed_steps(engine) -> None:
@@ -310,8 +354,9 @@ def engine_gradients(engine) -> list[torch.Tensor]:
 
 
 def group_state_config(group: dict) -> OptimStateConfig:
-    """The OptimStateConfig a CoatAdamW param group (or its saved copy) stands for."""
-    return OptimStateConfig(**{k: group[k] for k in OptimStateConfig.__dataclass_fields__})
+    """The OptimStateConfig a CoatAdamW param group (or its saved copy) stands for; an option
+    a saved group lacks (`master_weights` is never saved) takes its default."""
+    return OptimStateConfig(**{k: group[k] for k in OptimStateConfig.__dataclass_fields__ if k in group})
 
 
 @dataclass(frozen=True)
