@@ -255,11 +255,9 @@ def unchecked_overflow_norm(zopt):
 
 
 def stepping_zero_optimizer(optimizer, frames: int = 8):
-    """The DeepSpeed ZeRO optimizer whose `step()` is calling `optimizer.step()` right now, or
-    None. DeepSpeed keeps no link from the optimizer it wraps back to the wrapper (0.19.8:
-    `DeepSpeedZeroOptimizer._optimizer_step` calls `self.optimizer.step()`), so the caller's
-    frames are searched for a `self` whose `optimizer` is this one. Call it from inside that
-    step (an optimizer step pre-hook)."""
+    """The DeepSpeed ZeRO optimizer whose `step()` is calling `optimizer.step()` now (call it from
+    a step pre-hook), else None: DeepSpeed keeps no link back to the wrapper (`_optimizer_step`
+    calls `self.optimizer.step()`), so the callers' frames are searched for that `self`."""
     frame = sys._getframe(1)
     for _ in range(frames):
         if frame is None:
