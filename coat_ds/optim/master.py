@@ -237,11 +237,13 @@ def remainder_bytes(state: dict) -> int:
 
 def master_bytes(param_groups: list[dict], states) -> dict:
     """The bytes this rank holds of its master weights (parameters and remainders), in all
-    and per parameter element."""
+    and per parameter element: those of the param groups, and those that have a state but are
+    not in a group now (DeepSpeed ZeRO-3 empties the groups between its steps)."""
+    params = {id(p): p for group in param_groups for p in group["params"]}
+    params.update((id(p), p) for p in states)
     total, numel = 0, 0
-    for group in param_groups:
-        for p in group["params"]:
-            local = local_tensor(p)
-            total += local.numel() * local.element_size() + remainder_bytes(states.get(p, {}))
-            numel += local.numel()
+    for p in params.values():
+        local = local_tensor(p)
+        total += local.numel() * local.element_size() + remainder_bytes(states.get(p, {}))
+        numel += local.numel()
     return {"master_bytes": total, "master_bytes_per_param": total / numel if numel else 0.0}
