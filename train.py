@@ -50,7 +50,8 @@ from coat_ds.train.metrics import MetricsLog
 from coat_ds.train.mfu import mfu, mfu_note
 from coat_ds.train.model_start import build_model, materialize, model_start
 from coat_ds.models.llama import model_config
-from coat_ds.train.config import TrainConfig, checkpoint_plan, data_config, parse_config, step_in_backward_refusal
+from coat_ds.train.config import (TrainConfig, checkpoint_plan, data_config, optimizer_overrides, parse_config,
+                                  step_in_backward_refusal)
 from coat_ds.optim import nonfinite_groups
 from coat_ds.plan import apply_plan, compile_layer
 from coat_ds.train.planning import plan_for_run, run_apply_config
@@ -107,8 +108,12 @@ def setup_deepspeed(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
     from coat_ds.integrations.deepspeed.engine import engine_gradients, initialize, local_partitions
     from coat_ds.integrations.deepspeed.checkpoint import load_checkpoint, save_checkpoint
 
+    config = cfg.deepspeed
+    if optimizer_overrides(cfg):  # the run's settings over the JSON's optimizer.params
+        config = load_ds_config(cfg.deepspeed)
+        config["optimizer"]["params"] = {**config["optimizer"].get("params", {}), **optimizer_overrides(cfg)}
     engine, _, _, _ = initialize(
-        model=model, config=cfg.deepspeed,
+        model=model, config=config,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(cfg, s)))
 
     def train_micro_step(x, y, probe=None):
@@ -149,7 +154,7 @@ def setup_fsdp_engine(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
         materialize(model, train_device(), cfg.seed)
     # Stepping in backward, CoatAdamW clips itself (the gradients are gone once backward ends).
     in_backward = dict(step_in_backward=True, max_grad_norm=ds.clip or None) if cfg.step_in_backward else {}
-    optim = build_optimizer(ds, model.parameters(), **in_backward)
+    optim = build_optimizer(ds, model.parameters(), **optimizer_overrides(cfg), **in_backward)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: lr_factor(cfg, s))
     micro_steps = 0
 
@@ -333,7 +338,7 @@ def in_backward_gradients(cfg: TrainConfig) -> str:
 
 
 # Settings that change what each step computes: a resume may change them, and the log says so.
-RESUME_COMPARED = ("recipe", "fp8_linear", "compress_activations", "fused_head_loss")
+RESUME_COMPARED = ("recipe", "fp8_linear", "compress_activations", "fused_head_loss", "master_weights")
 
 
 def resume_note(cfg: TrainConfig, saved: dict | None) -> str | None:

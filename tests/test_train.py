@@ -100,6 +100,13 @@ def test_train_py_coat_zero_killed_in_save_resumes(tmp_path, stage):
         loss = float(one.stdout.split("step 8/8 (100%) | loss ")[1].split()[0])
         assert loss < ref[2]["loss"] - 0.2, one.stdout[-2000:]
 
+    if stage == 2:  # another form of master weights resumes through the FP32 layout, its masters exact
+        conv = _run(stage, "--resume", str(save / "step6"), "--max-steps", "8", "--master-weights", "bf16+16")
+        assert "holds FP32 master weights and this run the other form: converted" in conv.stdout
+        assert "all ranks: master 4.00 |" in conv.stdout  # a BF16 partition + its 16-bit remainder
+        loss = float(conv.stdout.split("step 8/8 (100%) | loss ")[1].split()[0])
+        assert abs(loss - ref[8]["loss"]) < 1e-3 * ref[8]["loss"], (loss, ref[8])
+
     if stage == 2:  # damaged files name themselves, offline (no engine needed)
         from coat_ds.io.safe_load import CheckpointError
         from coat_ds.integrations.deepspeed.checkpoint import consolidate_checkpoint

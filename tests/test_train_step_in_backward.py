@@ -51,6 +51,9 @@ def test_flag_or_json_key_turns_it_on_and_unsupported_runs_are_refused_by_name(t
         ("--fsdp", "--step-in-backward", "--deepspeed", "ds_configs/bf16_zero2.json"): ["needs CoatAdamW", "'AdamW'"],
         ("--fsdp", "--deepspeed", _json(tmp_path, "mgn", params={"step_in_backward": True, "max_grad_norm": 1.0})):
             ["optimizer.params.max_grad_norm", "gradient_clipping"],
+        ("--fsdp", "--master-weights", "bf16+8", "--deepspeed", "ds_configs/bf16_zero2.json"):
+            ["--master-weights", "master_weights needs CoatAdamW", "'AdamW'"],
+        ("--fsdp", "--fsdp-mode", "fsdp1", "--master-weights", "bf16+16"): ["'bf16+16'", "FSDP1", "fsdp2"],
     }
     for argv, words in refused.items():
         with pytest.raises(SystemExit) as err:
@@ -61,15 +64,23 @@ def test_flag_or_json_key_turns_it_on_and_unsupported_runs_are_refused_by_name(t
 @pytest.mark.slow
 def test_one_process_with_accumulation_equals_the_normal_step(tmp_path):
     """No clipping, 2 micro-batches per step: stepping in the last backward applies the same
-    accumulated gradient as step() would, so the runs agree bit for bit, step for step."""
-    runs = {}
-    for name, params in (("step", {}), ("in_backward", {"step_in_backward": True})):
+    accumulated gradient as step() would, so the runs agree bit for bit, step for step; with
+    --master-weights bf16+8 too, the log counts 3 bytes of master per parameter."""
+    runs, out = {}, {}
+    for name, params, flags in (("step", {}, ()), ("in_backward", {"step_in_backward": True}, ()),
+                                ("bf16+8", {"step_in_backward": True}, ("--master-weights", "bf16+8"))):
         ds = _json(tmp_path, name, gradient_accumulation_steps=2, gradient_clipping=0, params=params)
-        proc = run_in_repo([sys.executable, *COMMON, "--max-steps", "4", "--deepspeed", ds,
+        proc = run_in_repo([sys.executable, *COMMON, "--max-steps", "4", "--deepspeed", ds, *flags,
                             "--metrics-file", str(tmp_path / f"{name}.jsonl")], 300)
         assert "micro-batch 8 x grad-accum 2" in proc.stdout and "step 4/4 (100%)" in proc.stdout
-        runs[name] = read_metrics(tmp_path / f"{name}.jsonl")
-    assert "step in backward: ON" in proc.stdout and "no clipping" in proc.stdout
+        runs[name], out[name] = read_metrics(tmp_path / f"{name}.jsonl"), proc.stdout
+    assert "step in backward: ON" in out["in_backward"] and "no clipping" in out["in_backward"]
+    # --master-weights: BF16 weights with an 8-bit remainder (3 bytes of master), no gradient
+    # outliving its bucket; a lossy master and BF16 gradients, so close to the FP32 run, not equal.
+    assert "master_weights: bf16+8" in out["bf16+8"] and "all ranks: master 3.00 |" in out["bf16+8"]
+    assert "gradients 0.00" in out["bf16+8"]
+    got, ref = runs["bf16+8"][4]["loss"], runs["step"][4]["loss"]
+    assert math.isfinite(got) and abs(got - ref) < 0.02 * ref, (got, ref)
     for step in (2, 4):
         got, ref = runs["in_backward"][step], runs["step"][step]
         assert math.isfinite(got["loss"])

@@ -28,12 +28,13 @@ from ..models.llama import PRESETS
 from ..config.shipped import find_ds_config, find_train_preset
 
 __all__ = ["TrainConfig", "ENGINE_NAMES", "data_config", "parse_config", "build_parser", "checkpoint_plan",
-           "field_docs", "step_in_backward_refusal"]
+           "field_docs", "step_in_backward_refusal", "master_weights_refusal", "optimizer_overrides"]
 
 ENGINE_NAMES = ("deepspeed", "fsdp")
 _FSDP_MODES = ("fsdp2", "fsdp1")
 _BIN_DTYPES = ("uint8", "uint16", "uint32", "int16", "int32", "int64")
 _TOKENIZERS = ("byte", "bpe")
+_MASTER_FORMS = ("", "fp32", "bf16+16", "bf16+8")
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class TrainConfig:
     cudnn_attention: bool = True  # SDPA may choose cuDNN's attention, as PyTorch does (off: flash / memory-efficient only, slower for coat at the 1b preset; cuDNN's gave one 7B forward a wrong loss, docs/benchmarks.md)
     fp8_linear: bool = False  # FP8 GEMMs in the blocks' linear layers (coat_ds.convert_to_fp8_linear; head kept)
     fp8_keep_weight_codes: bool = False  # with fp8_linear: backward reads forward's FP8 weight (+1 byte per weight element held; under fsdp or ZeRO-3 every gathered layer's)
+    master_weights: str = ""  # CoatAdamW's master weights: "fp32", "bf16+16" (BF16 weight + 16-bit remainder, exact) or "bf16+8" (+ 8-bit, lossy) ("": the JSON's optimizer.params, else fp32)
     step_in_backward: bool = False  # CoatAdamW steps each parameter in backward and frees its gradient (FSDP2 only; the JSON's optimizer.params "step_in_backward": true turns it on too)
     fused_head_loss: bool = False  # the head's loss in chunks, never the full logits (coat_ds.fuse_lm_head_loss)
     recipe: str = ""  # coat_ds.prepare's recipe: "speed", "memory" or "max_memory" (it sets fp8_linear, compress_activations and fused_head_loss; "": none)
@@ -128,6 +130,7 @@ class TrainConfig:
         boolean("cudnn_attention", self.cudnn_attention)
         boolean("fp8_linear", self.fp8_linear)
         boolean("fp8_keep_weight_codes", self.fp8_keep_weight_codes)
+        choice("master_weights", self.master_weights, _MASTER_FORMS)
         boolean("step_in_backward", self.step_in_backward)
         boolean("fused_head_loss", self.fused_head_loss)
         choice("recipe", self.recipe, ("", *RECIPES))
@@ -153,7 +156,7 @@ class TrainConfig:
 
 
 _CHOICES = {"preset": tuple(PRESETS), "bin_dtype": _BIN_DTYPES, "tokenizer": _TOKENIZERS, "engine": ENGINE_NAMES,
-            "fsdp_mode": _FSDP_MODES, "recipe": RECIPES}
+            "fsdp_mode": _FSDP_MODES, "recipe": RECIPES, "master_weights": _MASTER_FORMS[1:]}
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -260,6 +263,9 @@ def parse_config(argv: list[str], description: str | None = None) -> TrainConfig
         ds = read_ds_settings(cfg.deepspeed, _world_size(), engine=cfg.engine)
     except (OSError, ValueError) as e:
         raise SystemExit(f"--deepspeed: {e}") from None
+    why = master_weights_refusal(cfg, ds)
+    if why:
+        raise SystemExit(f"{origin.get('master_weights', 'settings')}: {why}")
     return _resolve_step_in_backward(cfg, ds, origin.get("step_in_backward", "settings"))
 
 
@@ -275,6 +281,23 @@ def _resolve_step_in_backward(cfg: TrainConfig, ds, origin: str) -> TrainConfig:
         where = f"{cfg.deepspeed} (optimizer.params.step_in_backward)" if in_json else origin
         raise SystemExit(f"{where}: {why}")
     return dataclasses.replace(cfg, step_in_backward=True)
+
+
+def master_weights_refusal(cfg: TrainConfig, ds) -> str | None:
+    """Why `master_weights` cannot be set in this run (`ds`: its read_ds_settings), or None."""
+    if not cfg.master_weights:
+        return None
+    if ds.optimizer_type != "CoatAdamW":
+        return f"master_weights needs CoatAdamW; {cfg.deepspeed} names optimizer.type {ds.optimizer_type!r}"
+    if cfg.engine == "fsdp" and cfg.fsdp_mode == "fsdp1" and cfg.master_weights != "fp32":
+        return (f"master_weights {cfg.master_weights!r} is for FSDP2 and DeepSpeed ZeRO: FSDP1's flat parameters "
+                "are not converted to BF16; use --fsdp-mode fsdp2")
+    return None
+
+
+def optimizer_overrides(cfg: TrainConfig) -> dict:
+    """CoatAdamW keyword arguments that the run's settings put over the JSON's optimizer.params."""
+    return {"master_weights": cfg.master_weights} if cfg.master_weights else {}
 
 
 def step_in_backward_refusal(cfg: TrainConfig, ds) -> str | None:

@@ -341,15 +341,23 @@ def load_fp32_checkpoint(engine, ckpt, trust_checkpoint: bool = False) -> dict:
 
 def load_checkpoint(engine, load_dir: str, tag: str | None = None,
                     trust_checkpoint: bool = False) -> tuple[str, dict]:
-    """`engine.load_checkpoint` when the world size matches the saved one (bit-exact), else
-    consolidate and re-partition through the FP32 layout. `load_dir` is a save_dir (then
+    """`engine.load_checkpoint` when the world size and the form of the master weights match the
+    saved ones (bit-exact), else consolidate and re-partition through the FP32 layout (which
+    joins saved remainders into FP32 masters and splits them again for this engine's
+    `master_weights`: DeepSpeed's own load would pair an FP32 checkpoint's rounded weights with
+    remainders seeded from the weights the run started from). `load_dir` is a save_dir (then
     `tag`, or its newest complete checkpoint, see `coat_ds.io.checkpoint_folders.find_checkpoint`) or one
     checkpoint folder. Every file is read weights-only, DeepSpeed's own reads included, unless
     `trust_checkpoint`. Returns (the checkpoint folder loaded, client_state)."""
     ckpt_dir = _tag_dir(load_dir, tag, trust_checkpoint)
     if not trust_checkpoint:
         _refuse_on_every_rank(ckpt_dir)
-    if int(_model_state(ckpt_dir, trust_checkpoint)["dp_world_size"]) == engine.dp_world_size:
+    saved = _model_state(ckpt_dir, trust_checkpoint)
+    same_form = _bf16_masters(saved.get("ds_config") or {}) == _bf16_masters_live(engine)
+    if not same_form and engine.global_rank == 0:
+        print(f"coat_ds: {ckpt_dir} holds {'BF16 + remainder' if not _bf16_masters_live(engine) else 'FP32'} master "
+              "weights and this run the other form: converted through the FP32 layout", flush=True)
+    if same_form and int(saved["dp_world_size"]) == engine.dp_world_size:
         with _guarded_files(engine, trust_checkpoint), _deepspeed_loads(trust_checkpoint):
             path, client_state = engine.load_checkpoint(os.path.dirname(ckpt_dir), tag=os.path.basename(ckpt_dir))
         if path is None:
@@ -357,6 +365,16 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None,
         return ckpt_dir, client_state
     consolidated = consolidate_checkpoint(ckpt_dir, trust_checkpoint=trust_checkpoint)
     return ckpt_dir, load_fp32_checkpoint(engine, consolidated)
+
+
+def _bf16_masters(ds_config: dict) -> bool:
+    """Whether a DeepSpeed config made ZeRO's master partitions BF16 (`master_weights` "bf16+*")."""
+    return bool((ds_config.get("bf16") or ds_config.get("bfloat16") or {}).get("bf16_master_weights_and_grads"))
+
+
+def _bf16_masters_live(engine) -> bool:
+    opt = coat_optimizer(engine)
+    return opt is not None and any(g.get("master_weights", "fp32") != "fp32" for g in opt.param_groups)
 
 
 def main(argv=None) -> None:
