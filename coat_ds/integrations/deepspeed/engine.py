@@ -26,14 +26,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..._compat.deepspeed import comm_op_build, fp32_partitions, unchecked_overflow_norm
+from ..._compat.deepspeed import comm_op_build, fp32_partitions
 from ...config import OptimStateConfig
 from ...optim import CoatAdamW
 from ...optim import state as st
 from ...config.shipped import find_ds_config
 from .config import (OPTIMIZER_ARGUMENTS, batch_keys, bf16_key, gradient_clipping, load_ds_config, optimizer_section,
                      precision, zero_stage)
-from .registry import mark_zero_tested
+from .registry import mark_zero_tested, skip_steps_on_device
 
 __all__ = [
     "OPTIMIZER_TYPE",
@@ -291,17 +291,10 @@ def _drop_model_param_states(engine) -> None:
 
 def _skip_overflowed_steps(engine) -> None:
     """With DeepSpeed's overflow check off, CoatAdamW skips a step whose global gradient norm
-    is not finite, as DeepSpeed's check would have, but on the device: the check reads a flag
-    back from the GPU in every step (and runs several kernels per gradient tensor), which
-    leaves the GPU idle while the host catches up."""
+    is not finite, as DeepSpeed's check would have, but on the device (skip_steps_on_device)."""
     opt = coat_optimizer(engine)
-    norm = None if opt is None else unchecked_overflow_norm(engine.optimizer)
-    if norm is None:
-        return
-    opt.skip_steps_by_global_norm(norm)
-    if engine.global_rank == 0:
-        print("coat_ds: CoatAdamW skips a step whose global gradient norm is not finite, without a host sync, in "
-              "place of DeepSpeed's overflow check (bf16.check_grad_overflow: true keeps DeepSpeed's)", flush=True)
+    if opt is not None:
+        skip_steps_on_device(opt, engine.optimizer)
 
 
 def _announce(line: str | None) -> None:

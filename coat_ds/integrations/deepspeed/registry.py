@@ -16,7 +16,6 @@ does the same for a `DummyOptim` of the user's.
 """
 from __future__ import annotations
 
-import logging
 import weakref
 
 import torch
@@ -25,7 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ..._compat import deepspeed as ds_compat
 from ...optim import CoatAdamW
 
-__all__ = ["register_deepspeed", "mark_zero_tested", "is_registered"]
+__all__ = ["register_deepspeed", "mark_zero_tested", "is_registered", "skip_steps_on_device"]
 
 NAME = "CoatAdamW"
 
@@ -57,27 +56,31 @@ _seen: "weakref.WeakSet[CoatAdamW]" = weakref.WeakSet()
 
 
 def _skip_on_device(optimizer, args, kwargs) -> None:
-    """At a CoatAdamW's first step: where the ZeRO-1/2 optimizer stepping it was told not to
-    check gradients for overflow, CoatAdamW skips a step with a non-finite global norm itself
-    (CoatAdamW.skip_steps_by_global_norm). DeepSpeed's check reads a flag back from the GPU
-    every step after several kernels per gradient tensor; with the check off and no skip, a
-    step whose norm overflowed would clip every gradient to NaN or zero and step on it. Hugging
-    Face Trainer and Accelerate build the engine with DeepSpeed's own initialize, so this is
-    where their runs get what coat_ds's initialize sets up at once."""
+    """At a CoatAdamW's first step, `skip_steps_on_device` with the ZeRO optimizer stepping it:
+    Hugging Face Trainer and Accelerate build the engine with DeepSpeed's own initialize, so
+    this is where their runs get what coat_ds's initialize sets up at once."""
     if not isinstance(optimizer, CoatAdamW) or optimizer in _seen:
         return None
     _seen.add(optimizer)
-    if optimizer.step_in_backward or optimizer._global_norm is not None:
-        return None
-    zopt = ds_compat.stepping_zero_optimizer(optimizer)
-    norm = None if zopt is None else ds_compat.unchecked_overflow_norm(zopt)
-    if norm is not None:
-        optimizer.skip_steps_by_global_norm(norm)
-        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-            logging.getLogger("coat_ds").warning(
-                "coat_ds: bf16.check_grad_overflow is false: CoatAdamW skips a step whose global gradient norm is not "
-                "finite, on the device, in place of DeepSpeed's overflow check")
+    if not optimizer.step_in_backward and optimizer._global_norm is None:
+        skip_steps_on_device(optimizer, ds_compat.stepping_zero_optimizer(optimizer))
     return None
+
+
+def skip_steps_on_device(optimizer: CoatAdamW, zopt) -> None:
+    """Where `zopt`, the ZeRO-1/2 optimizer stepping `optimizer`, was told not to check
+    gradients for overflow, `optimizer` skips a step whose global gradient norm is not finite
+    itself, on the device (CoatAdamW.skip_steps_by_global_norm), and rank 0 says so. DeepSpeed's
+    check reads a flag back from the GPU in every step, after several kernels per gradient
+    tensor, which leaves the GPU idle while the host catches up; with the check off and no
+    skip, a step whose norm overflowed would clip every gradient to NaN or zero and step on it."""
+    norm = None if zopt is None else ds_compat.unchecked_overflow_norm(zopt)
+    if norm is None:
+        return
+    optimizer.skip_steps_by_global_norm(norm)
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print("coat_ds: CoatAdamW skips a step whose global gradient norm is not finite, without a host sync, in "
+              "place of DeepSpeed's overflow check (bf16.check_grad_overflow: true keeps DeepSpeed's)", flush=True)
 
 
 def mark_zero_tested() -> None:
