@@ -43,7 +43,7 @@ from ...io.faults import fault_point
 from ...io.safe_load import CheckpointError, listed_refusal, load_file, reading_file, weights_only_loads
 from ...kernels import master as bits
 from ...optim import state as st
-from .engine import coat_optimizer, group_state_config, local_partitions
+from .engine import bf16_masters, coat_optimizer, group_state_config, local_partitions
 
 __all__ = ["FORMAT", "saved_world_size", "consolidate_checkpoint", "load_fp32_checkpoint", "load_checkpoint",
            "save_checkpoint"]
@@ -353,9 +353,10 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None,
     if not trust_checkpoint:
         _refuse_on_every_rank(ckpt_dir)
     saved = _model_state(ckpt_dir, trust_checkpoint)
-    same_form = _bf16_masters(saved.get("ds_config") or {}) == _bf16_masters_live(engine)
+    live_bf16 = _bf16_masters_live(engine)
+    same_form = bf16_masters(saved.get("ds_config") or {}) == live_bf16
     if not same_form and engine.global_rank == 0:
-        print(f"coat_ds: {ckpt_dir} holds {'BF16 + remainder' if not _bf16_masters_live(engine) else 'FP32'} master "
+        print(f"coat_ds: {ckpt_dir} holds {'FP32' if live_bf16 else 'BF16 + remainder'} master "
               "weights and this run the other form: converted through the FP32 layout", flush=True)
     if same_form and int(saved["dp_world_size"]) == engine.dp_world_size:
         with _guarded_files(engine, trust_checkpoint), _deepspeed_loads(trust_checkpoint):
@@ -365,11 +366,6 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None,
         return ckpt_dir, client_state
     consolidated = consolidate_checkpoint(ckpt_dir, trust_checkpoint=trust_checkpoint)
     return ckpt_dir, load_fp32_checkpoint(engine, consolidated)
-
-
-def _bf16_masters(ds_config: dict) -> bool:
-    """Whether a DeepSpeed config made ZeRO's master partitions BF16 (`master_weights` "bf16+*")."""
-    return bool((ds_config.get("bf16") or ds_config.get("bfloat16") or {}).get("bf16_master_weights_and_grads"))
 
 
 def _bf16_masters_live(engine) -> bool:

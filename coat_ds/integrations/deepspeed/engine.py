@@ -36,6 +36,7 @@ from .config import (OPTIMIZER_ARGUMENTS, batch_keys, bf16_key, gradient_clippin
 from .registry import mark_zero_tested, skip_steps_on_device
 
 __all__ = [
+    "bf16_masters",
     "OPTIMIZER_TYPE",
     "OPTIMIZER_PARAMS",
     "prepare_config",
@@ -119,12 +120,17 @@ def prepare_config(config) -> tuple[dict, dict | None]:
 _BF16_MASTER_KEYS = ("bf16_master_weights_and_grads", "bf16_optimizer_states")
 
 
+def bf16_masters(ds: dict) -> bool:
+    """Whether a DeepSpeed config makes ZeRO's master partitions BF16 (`master_weights` "bf16+*")."""
+    return bool((ds.get(bf16_key(ds)) or {}).get(_BF16_MASTER_KEYS[0]))
+
+
 def _master_weights(ds: dict, bf16: str, bf16_enabled: bool, stage: int, offload: str, master_weights: str) -> None:
     """CoatAdamW's master_weights under ZeRO: "bf16+16" / "bf16+8" need DeepSpeed to hand it
     BF16 partitions, whose remainders it keeps; set DeepSpeed's switches for that."""
     section = ds.get(bf16) or {}
     if master_weights == "fp32":
-        if section.get(_BF16_MASTER_KEYS[0]):
+        if bf16_masters(ds):
             raise ValueError(f"DeepSpeed config: {bf16}.{_BF16_MASTER_KEYS[0]}=true hands {OPTIMIZER_TYPE} BF16 "
                              "partitions, which it steps only with optimizer.params.master_weights 'bf16+16' (the "
                              "exact FP32 master as BF16 + a 16-bit remainder) or 'bf16+8'")
