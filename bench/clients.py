@@ -84,16 +84,15 @@ class Tracer:
 
     def step_begin(self, done: int) -> None:
         if done == self.first:
-            acts = [torch.profiler.ProfilerActivity.CPU] + (
-                [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-            self.prof = torch.profiler.profile(activities=acts)
-            self.prof.start()
+            from train import start_trace
+
+            self.prof = start_trace(C.device())
 
     def step_end(self, done: int) -> None:
         if self.prof is not None and done == self.first + TRACE_STEPS:
-            C.sync()
-            self.prof.stop()
-            self.prof.export_chrome_trace(self.path)
+            from train import write_trace
+
+            write_trace(self.prof, self.path, TRACE_STEPS, print)
             self.prof = None
 
 
