@@ -108,10 +108,10 @@ def setup_deepspeed(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
     from coat_ds.integrations.deepspeed.engine import engine_gradients, initialize, local_partitions
     from coat_ds.integrations.deepspeed.checkpoint import load_checkpoint, save_checkpoint
 
-    config = cfg.deepspeed
-    if optimizer_overrides(cfg):  # the run's settings over the JSON's optimizer.params
+    config, overrides = cfg.deepspeed, optimizer_overrides(cfg)
+    if overrides:  # the run's settings over the JSON's optimizer.params
         config = load_ds_config(cfg.deepspeed)
-        config["optimizer"]["params"] = {**config["optimizer"].get("params", {}), **optimizer_overrides(cfg)}
+        config["optimizer"]["params"] = {**config["optimizer"].get("params", {}), **overrides}
     engine, _, _, _ = initialize(
         model=model, config=config,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(cfg, s)))

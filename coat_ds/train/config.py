@@ -288,11 +288,15 @@ def master_weights_refusal(cfg: TrainConfig, ds) -> str | None:
     if not cfg.master_weights:
         return None
     if ds.optimizer_type != "CoatAdamW":
-        return f"master_weights needs CoatAdamW; {cfg.deepspeed} names optimizer.type {ds.optimizer_type!r}"
+        return _needs_coat("master_weights", cfg, ds)
     if cfg.engine == "fsdp" and cfg.fsdp_mode == "fsdp1" and cfg.master_weights != "fp32":
         return (f"master_weights {cfg.master_weights!r} is for FSDP2 and DeepSpeed ZeRO: FSDP1's flat parameters "
                 "are not converted to BF16; use --fsdp-mode fsdp2")
     return None
+
+
+def _needs_coat(option: str, cfg: TrainConfig, ds) -> str:
+    return f"{option} needs CoatAdamW; {cfg.deepspeed} names optimizer.type {ds.optimizer_type!r}"
 
 
 def optimizer_overrides(cfg: TrainConfig) -> dict:
@@ -303,7 +307,7 @@ def optimizer_overrides(cfg: TrainConfig) -> dict:
 def step_in_backward_refusal(cfg: TrainConfig, ds) -> str | None:
     """Why CoatAdamW cannot step in backward in this run (`ds`: its read_ds_settings), or None."""
     if ds.optimizer_type != "CoatAdamW":
-        return f"step_in_backward needs CoatAdamW; {cfg.deepspeed} names optimizer.type {ds.optimizer_type!r}"
+        return _needs_coat("step_in_backward", cfg, ds)
     if cfg.engine == "deepspeed":
         return ("step_in_backward is not supported by the DeepSpeed engine: ZeRO copies each gradient into its own "
                 "buckets and reduces it after the parameter's hook, the one point where CoatAdamW could step; use "
