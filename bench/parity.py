@@ -51,6 +51,8 @@ VARIANTS = {
     "coat_fp8lin": "CoatAdamW + FP8 linears, activations saved as autograd keeps them",
     "coat_fp8lin_head": "coat_fp8lin with the head's loss in chunks (fuse_lm_head_loss), head GEMMs in BF16",
     "coat_fp8lin_head8x": "coat_fp8lin with the head's loss in chunks, its GEMMs in FP8 (fast_accum=False)",
+    "coat_fp8lin_head_m16": "coat_fp8lin_head with master_weights='bf16+16' (BF16 parameters, exact FP32 masters)",
+    "coat_fp8lin_head_m8": "coat_fp8lin_head with master_weights='bf16+8' (BF16 parameters, 24-bit masters)",
     "coat_fp8_e4m3g": "CoatAdamW + FP8 activations + FP8 linears, E4M3 output gradients",
     "coat_sib": "coat with step_in_backward: FP32 gradients freed in backward, clipped exactly in step()",
     "coat_fp8_sib": "coat_fp8 with step_in_backward: FP32 gradients freed in backward, clipped exactly in step()",
@@ -72,8 +74,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_variant(variant: str, args, data, device: torch.device) -> dict:
+MASTER_SUFFIXES = {"_m16": "bf16+16", "_m8": "bf16+8"}
+
+
+def run_variant(name: str, args, data, device: torch.device) -> dict:
     """Train one variant; returns its loss curve, final losses and throughput."""
+    suffix = next((s for s in MASTER_SUFFIXES if name.endswith(s)), "")
+    variant, master = name[:len(name) - len(suffix)], MASTER_SUFFIXES.get(suffix, "fp32")
     torch.manual_seed(args.seed)
     model = Llama(model_config(args.preset, max_seq_len=max(args.seq_len, 16), vocab_size=data.vocab_size)).to(device)
     betas = (0.9, 0.95)
@@ -83,7 +90,7 @@ def run_variant(variant: str, args, data, device: torch.device) -> dict:
     else:
         in_backward = dict(step_in_backward=True, max_grad_norm=1.0) if variant.endswith("_sib") else {}
         opt = CoatAdamW(model.parameters(), lr=args.lr, betas=betas, weight_decay=args.weight_decay,
-                        dynamic_range_expansion=variant != "coat_nodre", **in_backward)
+                        dynamic_range_expansion=variant != "coat_nodre", master_weights=master, **in_backward)
     if variant.startswith("coat_fp8"):  # coat_fp8lin too
         grad_format = "e4m3" if variant == "coat_fp8_e4m3g" else Fp8LinearConfig().grad_format
         convert_to_fp8_linear(model, config=Fp8LinearConfig(grad_format=grad_format, eager_min_macs=0))
@@ -126,7 +133,7 @@ def run_variant(variant: str, args, data, device: torch.device) -> dict:
             timed_s += time.perf_counter() - t
             timed_tokens += x.numel()
         if args.log_interval and (step % args.log_interval == 0 or step == args.steps - 1):
-            print(f"[{variant}] step {step:5d} loss {curve[-1]:.4f} lr {opt.param_groups[0]['lr']:.2e}", flush=True)
+            print(f"[{name}] step {step:5d} loss {curve[-1]:.4f} lr {opt.param_groups[0]['lr']:.2e}", flush=True)
 
     model.eval()
     with torch.no_grad(), autocast():
@@ -134,7 +141,7 @@ def run_variant(variant: str, args, data, device: torch.device) -> dict:
         # mean of the last 10% of steps' losses, less noisy than the last step alone.
         val = sum(model(*batch("val", 10**6 + i)).item() for i in range(args.eval_batches)) / args.eval_batches
     tail = curve[-max(1, args.steps // 10):]
-    out = dict(variant=variant, label=VARIANTS[variant], curve=curve, final_train_loss=sum(tail) / len(tail),
+    out = dict(variant=name, label=VARIANTS[name], curve=curve, final_train_loss=sum(tail) / len(tail),
                val_loss=val, tokens_per_s=timed_tokens / timed_s if timed_s else float("nan"),
                params=sum(p.numel() for p in model.parameters()))
     if device.type == "cuda":
@@ -142,7 +149,7 @@ def run_variant(variant: str, args, data, device: torch.device) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     if handle is not None:
         handle.remove()
-    print(f"[{variant}] final train {out['final_train_loss']:.4f} val {val:.4f} "
+    print(f"[{name}] final train {out['final_train_loss']:.4f} val {val:.4f} "
           f"tokens/s {out['tokens_per_s']:.0f}", flush=True)
     return out
 
