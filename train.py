@@ -40,6 +40,7 @@ from coat_ds import Fp8LinearConfig, compress_activations, convert_to_fp8_linear
 from coat_ds.io.checkpoint_folders import check_new_checkpoints, read_record
 from coat_ds.io.safe_load import CheckpointError
 from coat_ds.train.data import TokenData, batch_seed, load_data
+from coat_ds.train.determinism import deterministic_kernels
 from coat_ds.integrations.deepspeed.config import gradient_clipping, load_ds_config
 from coat_ds.integrations.process_group import shutdown_distributed
 from coat_ds.train.engine_setup import clipping_off_note, read_ds_settings
@@ -550,6 +551,9 @@ def main(argv=None) -> None:
     launch_env(cfg.engine)
     for line in settings_lines(cfg):
         say_before_group(line)
+    if cfg.deterministic:  # before the process group and the first CUDA call
+        deterministic_kernels()
+        say_before_group("deterministic kernels: on (a GPU run repeats bit for bit, more slowly)")
     (init_deepspeed_distributed if cfg.engine == "deepspeed" else init_fsdp_distributed)(
         timedelta(seconds=cfg.dist_timeout_s))
     watchdog = start_watchdog(cfg.heartbeat_timeout_s, lambda: resume_hint(cfg.save_dir, cfg.resume))

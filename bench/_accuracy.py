@@ -1,11 +1,10 @@
 """What the scripts that train a model share (parity.py, grad_error.py; optim_step.py --loop
-takes the LR schedule): byte-pair tokens for a realistic LM head, the LR schedule,
-deterministic kernels and --act-config's ActivationConfig fields."""
+takes the LR schedule): byte-pair tokens for a realistic LM head, the LR schedule and
+--act-config's ActivationConfig fields."""
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import _common as C  # noqa: F401  (puts the measured tree's coat_ds on the path)
 import torch
@@ -49,17 +48,6 @@ def lr_at(step: int, steps: int, warmup: int, peak: float) -> float:
         return peak * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, steps - warmup))
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def deterministic() -> None:
-    """Kernels whose sums do not depend on timing (no atomic float adds: SDPA's and the
-    embedding's backward), cuBLAS with a fixed workspace, Inductor without autotuning: two
-    runs of one seed then end bit for bit alike, so a paired difference is the variants' own,
-    not run-to-run noise. Before the first CUDA call: cuBLAS reads its setting at start."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
-    # NaN-filling every torch.empty costs time and checks nothing this run needs.
-    torch.utils.deterministic.fill_uninitialized_memory = False
 
 
 def act_overrides(pairs: list[str]) -> dict:

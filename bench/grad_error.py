@@ -16,9 +16,10 @@ import sys
 
 import _common as C  # noqa: F401  (puts the measured tree's coat_ds on the path)
 import torch
-from _accuracy import act_overrides, deterministic, lr_at, pair_tokens
+from _accuracy import act_overrides, lr_at, pair_tokens
 
 from coat_ds import ActivationConfig, compress_activations  # noqa: E402
+from coat_ds.train.determinism import deterministic_kernels  # noqa: E402
 from coat_ds.train.data import DataConfig, batch_seed, load_data  # noqa: E402
 from coat_ds.models.llama import Llama, model_config  # noqa: E402
 from coat_ds.plan import compile_layer  # noqa: E402
@@ -41,7 +42,7 @@ def run_grad_error(args, argv) -> int:
         raise SystemExit(f"--modes {args.modes!r}: choose from eager, compiled, compiled_cqkv")
     device = torch.device(args.device)
     if device.type == "cuda":
-        deterministic()  # else two uncompressed runs already differ (SDPA's and the embedding's backward)
+        deterministic_kernels()  # else two uncompressed runs already differ (SDPA's and the embedding's backward)
     torch.manual_seed(args.seed)
     data = load_data(DataConfig(max_bytes=args.max_data_bytes))
     if args.pair_vocab:

@@ -34,11 +34,12 @@ import time
 
 import _common as C
 import torch
-from _accuracy import act_overrides, deterministic, lr_at, pair_tokens
+from _accuracy import act_overrides, lr_at, pair_tokens
 
 from coat_ds import (ActivationConfig, CoatAdamW, Fp8LinearConfig, compress_activations,  # noqa: E402
                      convert_to_fp8_linear, fuse_lm_head_loss)
 from coat_ds.io.atomic import atomic_write  # noqa: E402
+from coat_ds.train.determinism import deterministic_kernels  # noqa: E402
 from coat_ds.train.data import DataConfig, batch_seed, load_data  # noqa: E402
 from coat_ds.models.llama import Llama, model_config  # noqa: E402
 from coat_ds.plan import ApplyConfig, Plan, apply_plan, compile_layer, decoder_layers  # noqa: E402
@@ -202,7 +203,7 @@ def run_parity(args, argv) -> int:
     device = torch.device(args.device)
     torch.backends.cuda.enable_cudnn_sdp(not args.no_cudnn_attention)
     if args.deterministic:
-        deterministic()
+        deterministic_kernels()
     data = load_data(DataConfig(max_bytes=args.max_data_bytes))
     if args.pair_vocab:
         data = pair_tokens(data, args.pair_vocab)

@@ -14,6 +14,7 @@ import torch
 from coat_ds.train.engine_setup import read_ds_settings
 from coat_ds.integrations.fsdp import clip_grad_norm_
 from coat_ds.train.config import TrainConfig, checkpoint_plan, field_docs
+from coat_ds.train.determinism import deterministic_kernels
 from helpers import run_in_repo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -212,6 +213,19 @@ def test_help_lists_each_flag_once_with_what_it_does_and_its_default(capsys):
         assert helps[flag].endswith(")") and "option_strings" not in helps[flag], (name, helps[flag])
 
 
+def test_deterministic_switch_turns_on_deterministic_kernels(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before, fill = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    try:
+        assert train.parse_config(["--deterministic"]).deterministic and not train.parse_config([]).deterministic
+        deterministic_kernels()
+        assert torch.are_deterministic_algorithms_enabled() and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        assert torch.utils.deterministic.fill_uninitialized_memory is False
+    finally:
+        torch.use_deterministic_algorithms(before)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
 @pytest.mark.slow
 def test_run_says_when_no_checkpoint_will_be_saved(tmp_path):
     """Also the library-only install (torch and pyyaml): the FSDP run with CoatAdamW, where
@@ -221,11 +235,12 @@ def test_run_says_when_no_checkpoint_will_be_saved(tmp_path):
         "sys.modules.update(numpy=None, deepspeed=None)  # import fails, find_spec finds none\n"
         "print('numpy and deepspeed hidden', file=sys.stderr)\n")
     common = ["train.py", "--fsdp", "--preset", "tiny", "--seq-len", "16", "--max-steps", "1", "--eval-batches", "1",
-              "--max-data-bytes", "100000"]
+              "--max-data-bytes", "100000", "--deterministic"]
     proc = run_in_repo([sys.executable, *common], timeout=300,
                        PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT, os.environ.get("PYTHONPATH", "")]))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "numpy and deepspeed hidden" in proc.stderr and "step 1/1" in proc.stdout
     assert "checkpoints: NONE will be saved" in proc.stdout
+    assert "deterministic kernels: on" in proc.stdout
     assert "unused" in checkpoint_plan(TrainConfig(save_interval=5))
     assert "NONE" not in checkpoint_plan(TrainConfig(save_dir="ck", save_interval=5))

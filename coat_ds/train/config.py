@@ -58,6 +58,7 @@ class TrainConfig:
     warmup_steps: int = 100  # steps of linear LR warm-up
     min_lr_ratio: float = 0.1  # cosine decays the LR to this share of its peak, in [0, 1]
     seed: int = 1337  # model init and batch sampling
+    deterministic: bool = False  # deterministic kernels (torch.use_deterministic_algorithms, cuBLAS's fixed workspace): two GPU runs of one seed, and a resume at the same world size, end bit for bit alike; slower
     meta_start: bool = True  # each rank allocates and initialises only its shard of the weights (FSDP2: built on the meta device; ZeRO-3: deepspeed.zero.Init); the weights are then drawn per shard, the same at any world size (off, or FSDP1 / ZeRO-1/2: the whole model on every rank, Llama's own init)
     # logging, eval, checkpoints
     log_interval: int = 10  # steps between log lines
@@ -108,6 +109,7 @@ class TrainConfig:
         integer("warmup_steps", self.warmup_steps, lo=0)
         number("min_lr_ratio", self.min_lr_ratio, lo=0.0, hi=1.0)
         integer("seed", self.seed, lo=0, hi=2**63 - 1)
+        boolean("deterministic", self.deterministic)
         boolean("meta_start", self.meta_start)
         integer("log_interval", self.log_interval, lo=1)
         integer("eval_interval", self.eval_interval, lo=0)
