@@ -4,6 +4,7 @@ prepared model's loss and gradients stay within the FP8 bounds of the unprepared
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 
 import pytest
@@ -165,23 +166,18 @@ def test_recomputed_layers_defer_to_a_checkpoint_around_them():
         assert torch.equal(p.grad, got[name].grad), name
 
 
-@pytest.mark.slow
-def test_whole_model_compile_compiles_one_region_for_every_layer():
-    """prepare's compile_regions: under `model.compile()` (what Trainer's torch_compile=True
-    does) each decoder layer runs one compiled graph shared by all layers of its class, and
-    the loss and gradients keep the FP8 bounds of the eager test above against the plain model
-    (compiled, the FP8 casts round other values than eagerly: not bit for bit)."""
+def _hf_llama_4_layers():
     torch._dynamo.reset()
     torch.manual_seed(0)
-    plain = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, use_cache=False))
-    compiled = copy.deepcopy(plain)
-    report = coat_ds.prepare(compiled, "speed")
-    assert "4 decoder layers" in report["compile_regions"].detail
-    region = type(compiled.model.layers[0])._coat_region
-    assert all(type(layer)._coat_region is region for layer in compiled.model.layers)
-    compiled.compile()
+
+
+def _compiled_against_plain(plain: nn.Module, compiled: nn.Module) -> None:
+    """The loss of `compiled` (prepared, then `.compile()`d) and its gradients keep the FP8
+    bounds of the eager test above against the plain model (compiled, the FP8 casts round other
+    values than eagerly: not bit for bit)."""
     ref, got = _loss(plain, "llama"), _loss(compiled, "llama")
     assert abs(got.item() - ref.item()) <= 1e-3 * ref.item(), (got.item(), ref.item())
     ref.backward()
@@ -189,9 +185,44 @@ def test_whole_model_compile_compiles_one_region_for_every_layer():
     params = dict(compiled.named_parameters())
     dbs = {name: sqnr_db(p.grad, params[name].grad) for name, p in plain.named_parameters()}
     assert min(dbs.values()) >= 15 and sum(dbs.values()) / len(dbs) >= 19, dbs
-    # Compiled once for all four layers, not per layer: the code object the region runs holds
-    # two entries, the region's graph and the frame of the layer's own call that leads into it.
+
+
+@pytest.mark.slow
+def test_whole_model_compile_compiles_one_region_for_every_layer():
+    """prepare's compile_regions: under `model.compile()` (what Trainer's torch_compile=True
+    does) each decoder layer runs one compiled graph shared by all layers of its class, the code
+    between the layers runs eagerly (no trace there: the final norm sees no compile), and the
+    loss and gradients keep the FP8 bounds."""
+    plain = _hf_llama_4_layers()
+    compiled = copy.deepcopy(plain)
+    report = coat_ds.prepare(compiled, "speed")
+    assert "4 decoder layers" in report["compile_regions"].detail
+    assert type(compiled).__name__ == "LlamaForCausalLM" and isinstance(compiled, transformers.LlamaForCausalLM)
+    assert inspect.signature(compiled.forward) == inspect.signature(plain.forward)  # Trainer keeps columns by it
+    region = type(compiled.model.layers[0])._coat_region
+    assert all(type(layer)._coat_region is region for layer in compiled.model.layers)
+    traced = []
+    compiled.model.norm.register_forward_pre_hook(lambda m, a: traced.append(torch.compiler.is_compiling()))
+    compiled.compile()
+    _compiled_against_plain(plain, compiled)
+    assert traced == [False]
+    # Compiled once for all four layers, not per layer.
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     code = region._torchdynamo_orig_callable.__code__
     assert 1 <= len(_debug_get_cache_entry_list(code)) <= 2
+    assert compiled.state_dict().keys() == plain.state_dict().keys()
+
+
+@pytest.mark.slow
+def test_whole_model_compile_with_gradient_checkpointing():
+    """Trainer's gradient_checkpointing=True with torch_compile=True: a checkpointed layer runs
+    its own forward both times (the recomputation in backward runs outside the model's call),
+    and the loss and gradients keep the FP8 bounds."""
+    plain = _hf_llama_4_layers()
+    compiled = copy.deepcopy(plain)
+    getattr(compiled, "activation_checkpointing_enable", compiled.gradient_checkpointing_enable)()
+    coat_ds.prepare(compiled, "speed")
+    compiled.compile()
+    compiled.train()
+    _compiled_against_plain(plain, compiled)

@@ -208,4 +208,5 @@ def _regions(model: nn.Module, config: RecipeConfig, keep: _Filter) -> tuple[boo
     n = compile_regions(model, module_filter_fn=keep)
     if not n:
         return False, _NO_LAYERS
-    return True, f"{n} decoder layers: under a whole-model torch.compile each compiles on its own, one graph for all"
+    return True, (f"{n} decoder layers: under a whole-model torch.compile each compiles on its own, one graph for "
+                  "all, and the code between them runs eagerly")
