@@ -72,10 +72,8 @@ def _weights(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.T
 def held_gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Gradients an optimizer keeps for its step after freeing the parameters' own:
     CoatAdamW stepping in backward with clipping holds BF16 copies until step()."""
-    in_backward = getattr(optimizer, "_in_backward", None)
-    if in_backward is None:
-        return []
-    return [g for _, grads in in_backward.held.values() for g in grads]
+    held = getattr(optimizer, "held_gradients", None)
+    return held() if callable(held) else []
 
 
 def gradient_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, engine_grads: Iterable = ()) -> int:

@@ -155,16 +155,19 @@ class CoatAdamW(InBackwardMethods, master.MasterMethods, torch.optim.Optimizer):
         self._skips.after_step()
         return loss
 
-    def skip_steps_by_global_norm(self, global_norm: Callable[[], torch.Tensor | None] | None) -> None:
-        """Skip whole steps whose global gradient norm is not finite, on the device.
+    @property
+    def skips_steps_by_global_norm(self) -> bool:  # whether skip_steps_by_global_norm set a norm
+        return self._global_norm is not None
 
-        Each `step()` first calls `global_norm()`: this step's gradient norm over every rank
-        (a tensor on the gradients' device, the same on every rank; None: not known this
-        step). Where it is NaN or inf, every group of every parameter is left unchanged and
-        counted as skipped (`nonfinite_groups()`), as when its own gradient is not finite,
-        so that no rank steps on what it holds of a gradient that overflowed elsewhere. The
-        host never waits for the answer. `coat_ds.deepspeed_initialize` sets this, with the
-        norm DeepSpeed computes for clipping, in place of DeepSpeed's own overflow check under
+    def skip_steps_by_global_norm(self, global_norm: Callable[[], torch.Tensor | None] | None) -> None:
+        """Skip whole steps whose global gradient norm is not finite, on the device. Each
+        `step()` first calls `global_norm()`: this step's gradient norm over every rank (a
+        tensor on the gradients' device, the same on every rank; None: not known this step).
+        Where it is NaN or inf, every group of every parameter is left unchanged and counted
+        as skipped (`nonfinite_groups()`), as when its own gradient is not finite, so that no
+        rank steps on what it holds of a gradient that overflowed elsewhere. The host never
+        waits for the answer. `coat_ds.deepspeed_initialize` sets this, with the norm
+        DeepSpeed computes for clipping, in place of DeepSpeed's own overflow check under
         ZeRO-1/2 (docs/deepspeed.md); None turns it off."""
         if global_norm is not None and not callable(global_norm):
             raise TypeError(f"global_norm must be a callable or None, got {type(global_norm).__name__}")

@@ -346,6 +346,12 @@ class InBackwardMethods:
         """The global norm gradients are clipped to (step_in_backward only), or None."""
         return None if self._in_backward is None else self._in_backward.max_grad_norm
 
+    def held_gradients(self) -> list[torch.Tensor]:
+        """The gradients held between backward and step() (step_in_backward with clipping: the
+        BF16 copies the clipped step reads); empty otherwise."""
+        ib = self._in_backward
+        return [] if ib is None else [g for _, grads in ib.held.values() for g in grads]
+
     def register_ddp(self, ddp_model) -> None:
         """With step_in_backward under DDP: step each gradient bucket in backward once DDP has
         all-reduced it (a comm hook; DDP keeps its buckets, so no gradient memory is saved)."""

@@ -62,7 +62,7 @@ def _skip_on_device(optimizer, args, kwargs) -> None:
     if not isinstance(optimizer, CoatAdamW) or optimizer in _seen:
         return None
     _seen.add(optimizer)
-    if not optimizer.step_in_backward and optimizer._global_norm is None:
+    if not optimizer.step_in_backward and not optimizer.skips_steps_by_global_norm:
         skip_steps_on_device(optimizer, ds_compat.stepping_zero_optimizer(optimizer))
     return None
 
