@@ -37,7 +37,7 @@ import torch
 from _accuracy import act_overrides, lr_at, pair_tokens
 
 from coat_ds import (ActivationConfig, CoatAdamW, Fp8LinearConfig, compress_activations,  # noqa: E402
-                     convert_to_fp8_linear, fuse_lm_head_loss)
+                     convert_to_fp8_linear, fuse_lm_head_loss, prepare)
 from coat_ds.io.atomic import atomic_write  # noqa: E402
 from coat_ds.train.determinism import deterministic_kernels  # noqa: E402
 from coat_ds.train.data import DataConfig, batch_seed, load_data  # noqa: E402
@@ -54,6 +54,9 @@ VARIANTS = {
     "coat_fp8lin_head8x": "coat_fp8lin with the head's loss in chunks, its GEMMs in FP8 (fast_accum=False)",
     "coat_fp8lin_head_m16": "coat_fp8lin_head with master_weights='bf16+16' (BF16 parameters, exact FP32 masters)",
     "coat_fp8lin_head_m8": "coat_fp8lin_head with master_weights='bf16+8' (BF16 parameters, 24-bit masters)",
+    "recipe_speed": "coat_ds.prepare(model, 'speed') + CoatAdamW",
+    "recipe_memory": "coat_ds.prepare(model, 'memory') + CoatAdamW",
+    "recipe_max_memory": "coat_ds.prepare(model, 'max_memory') + CoatAdamW stepping in backward, clipped exactly",
     "coat_fp8_e4m3g": "CoatAdamW + FP8 activations + FP8 linears, E4M3 output gradients",
     "coat_sib": "coat with step_in_backward: FP32 gradients freed in backward, clipped exactly in step()",
     "coat_fp8_sib": "coat_fp8 with step_in_backward: FP32 gradients freed in backward, clipped exactly in step()",
@@ -89,9 +92,14 @@ def run_variant(name: str, args, data, device: torch.device) -> dict:
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=betas, weight_decay=args.weight_decay,
                                 fused=device.type == "cuda")
     else:
-        in_backward = dict(step_in_backward=True, max_grad_norm=1.0) if variant.endswith("_sib") else {}
+        sib = variant.endswith("_sib") or variant == "recipe_max_memory"
+        in_backward = dict(step_in_backward=True, max_grad_norm=1.0) if sib else {}
         opt = CoatAdamW(model.parameters(), lr=args.lr, betas=betas, weight_decay=args.weight_decay,
                         dynamic_range_expansion=variant != "coat_nodre", master_weights=master, **in_backward)
+    if variant.startswith("recipe_"):  # the method at any size, as below: no eager size limits
+        act = ActivationConfig(**{"eager_min_region_numel": 0, **args.act_config})
+        prepare(model, variant[len("recipe_"):], fp8_linear=Fp8LinearConfig(eager_min_macs=0),
+                compress_activations=None if variant == "recipe_speed" else act)
     if variant.startswith("coat_fp8"):  # coat_fp8lin too
         grad_format = "e4m3" if variant == "coat_fp8_e4m3g" else Fp8LinearConfig().grad_format
         convert_to_fp8_linear(model, config=Fp8LinearConfig(grad_format=grad_format, eager_min_macs=0))

@@ -102,19 +102,23 @@ def test_parity_seeds_run_apart_then_summary(tmp_path):
 
 def test_parity_deterministic_repeats_the_fast_recipe_with_the_fp8_head(tmp_path):
     """The variants of the recipe without compression build and train, deterministically;
-    one variant run twice from a seed gives the same curve, the FP8 head a different one, and
-    24-bit master weights (bf16+8) a curve of their own close to it."""
+    one variant run twice from a seed gives the same curve, the FP8 head a different one,
+    24-bit master weights (bf16+8) and the max_memory recipe curves of their own close to it,
+    and prepare's speed recipe the same curve."""
     _run("bench/parity.py", "--preset", "tiny", "--steps", "3", "--batch-size", "2", "--seq-len", "32",
          "--eval-batches", "1", "--max-data-bytes", "200000", "--pair-vocab", "304", "--deterministic",
-         "--variants", "coat_fp8lin_head,coat_fp8lin_head,coat_fp8lin_head8x,coat_fp8lin_head_m8", "--log-interval",
-         "0", "--out", str(tmp_path / "det"))
+         "--variants", "coat_fp8lin_head,coat_fp8lin_head,coat_fp8lin_head8x,coat_fp8lin_head_m8,recipe_speed,"
+         "recipe_max_memory", "--log-interval", "0", "--out", str(tmp_path / "det"))
     doc = json.loads((tmp_path / "det.json").read_text())
     assert doc["meta"]["deterministic"] is True
-    a, b, c, m8 = (r["curve"] for r in doc["runs"])
+    a, b, c, m8, speed, max_memory = (r["curve"] for r in doc["runs"])
     assert a == b and a != c and all(math.isfinite(x) for x in a + c)
     # BF16 parameters with 8-bit remainders: their own curve, near the FP32 masters' one.
     assert doc["runs"][3]["variant"] == "coat_fp8lin_head_m8" and m8 != a
     assert all(abs(x - y) < 0.01 * y for x, y in zip(m8, a))
+    # prepare's speed recipe is that variant (its fused norms exact); max_memory near it.
+    assert speed == a
+    assert max_memory != a and all(abs(x - y) < 0.01 * y for x, y in zip(max_memory, a))
 
 
 def test_grad_error_tables_eager_and_compiled():

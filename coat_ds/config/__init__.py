@@ -209,7 +209,8 @@ class RecipeConfig:
         compress_activations: saved activations kept in FP8 with this config (None: off)
         recompute: every decoder layer recomputed in backward, its input kept until then as FP8 codes
         compile_regions: under a whole-model torch.compile, each decoder layer compiled once on its own,
-            one graph for every layer of its class (less to compile before the first step)
+            one graph for every layer of its class (less to compile before the first step), and the
+            code between the layers run eagerly
         step_in_backward: the optimizer options the report suggests include CoatAdamW's step_in_backward
             (FSDP2: each parameter stepped, and its gradient freed, as soon as backward has it)
     """

@@ -59,8 +59,9 @@ def prepare(model: nn.Module, recipe: str = "speed", *, module_filter_fn: _Filte
 
     Under torch.compile: compile after prepare. The fused norms and SwiGLU then run their own
     torch code (Inductor fuses it). A whole-model compile (Trainer's torch_compile=True)
-    compiles each decoder layer once, on its own (compile_regions); layers recomputed from FP8
-    inputs keep their checkpoint eager, so compile them with coat_ds.plan.compile_layer."""
+    compiles each decoder layer once, on its own, and runs the code between the layers eagerly
+    (compile_regions); layers recomputed from FP8 inputs keep their checkpoint eager, so
+    compile them with coat_ds.plan.compile_layer."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"prepare: model must be an nn.Module, got {type(model).__name__}")
     config = RecipeConfig.named(recipe, **overrides)
