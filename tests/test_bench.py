@@ -121,6 +121,25 @@ def test_parity_deterministic_repeats_the_fast_recipe_with_the_fp8_head(tmp_path
     assert max_memory != a and all(abs(x - y) < 0.01 * y for x, y in zip(max_memory, a))
 
 
+@pytest.mark.slow
+def test_convergence_side_cut_by_its_limit_resumes_then_plots(tmp_path):
+    """bench/convergence.py on 2 gloo ranks and a glob corpus: a launch ended by --limit keeps
+    its saves, the next launch resumes them and finishes; plot puts each side beside bf16."""
+    flags = ["--preset", "tiny", "--seq", "64", "--tokens", "400000", "--data", "coat_ds/**/*.py", "--vocab", "512",
+             "--eval-interval", "20", "--eval-batches", "2", "--log-interval", "10", "--save-interval", "20",
+             "--no-compile", "--nproc", "2", "--out", str(tmp_path)]
+    cut = _run("bench/convergence.py", "run", "speed", *flags, "--limit", "20")
+    assert "391 steps of 8 x 64 tokens on 2 ranks" in cut and "exit 124" in cut and "run it again" in cut
+    assert (tmp_path / "speed" / "ckpt" / "latest").is_file()
+    done = _run("bench/convergence.py", "run", "speed", *flags, "--limit", "300")
+    assert "resuming" in done and "exit 0, at step 391 of 391" in done
+    _run("bench/convergence.py", "run", "bf16", *flags, "--tokens", "20000", "--limit", "300")
+    table = _run("bench/convergence.py", "plot", str(tmp_path), "--png", str(tmp_path / "c.png"))
+    rows = {r.split("|")[1].strip(): r.split("|") for r in table.splitlines() if r.startswith("| ") and "side" not in r}
+    assert set(rows) == {"bf16", "speed"} and rows["bf16"][4].strip() == "+0.00%"
+    assert math.isfinite(float(rows["speed"][3])) and (tmp_path / "c.png").stat().st_size > 0
+
+
 def test_grad_error_tables_eager_and_compiled():
     out = _run("bench/grad_error.py", "--preset", "tiny", "--train-steps", "2", "--batch-size", "2",
                "--grad-batch-size", "2", "--seq-len", "32", "--max-data-bytes", "200000")

@@ -1,0 +1,156 @@
+"""Held-out loss over a long run, one side per launch: train.py (FSDP2, compiled) on every GPU of
+the machine, on a corpus given as a directory or a glob (the installed packages' Python sources
+by default), tokenised with a local 32,000-id BPE, evaluated every --eval-interval steps. A side
+saves every --save-interval steps into its folder and resumes from it, so a side too long for one
+launch goes on in the next one on the same machine; --limit ends a launch in time, losing at most
+the steps since its last save. `plot` draws every side's held-out curve against tokens seen and
+prints each side's last held-out loss against bf16's:
+
+    bash bench/device_env.sh python bench/convergence.py run bf16 --tokens 150e6 --limit 540
+    bash bench/device_env.sh python bench/convergence.py run speed --tokens 150e6 --limit 540
+    python bench/convergence.py plot runs/convergence --png docs/img/convergence_1b.png
+
+Sides: bf16 (the bf16 JSON: BF16 compute, torch AdamW) and the coat JSON (CoatAdamW) with
+train.py --recipe speed, memory or max_memory. Same seed, data, batches and schedule."""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import sysconfig
+
+import _common as C
+
+SIDES = {"bf16": ["--deepspeed", "ds_configs/bf16_zero3.json"],
+         "speed": ["--deepspeed", "ds_configs/coat_zero3.json", "--recipe", "speed"],
+         "memory": ["--deepspeed", "ds_configs/coat_zero3.json", "--recipe", "memory"],
+         "max_memory": ["--deepspeed", "ds_configs/coat_zero3.json", "--recipe", "max_memory"]}
+MICRO = 8  # the shipped JSONs' train_micro_batch_size_per_gpu
+
+
+def default_corpus() -> str:
+    return os.path.join(sysconfig.get_paths()["purelib"], "**", "*.py")
+
+
+def run(args) -> int:
+    world = args.nproc or C.ngpu()
+    steps = math.ceil(args.tokens / (MICRO * args.seq * world))
+    side_dir = os.path.join(args.out, args.side)
+    os.makedirs(side_dir, exist_ok=True)
+    save = os.path.join(side_dir, "ckpt")
+    resume = ["--resume", save] if os.path.isfile(os.path.join(save, "latest")) else []
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "train.py", "--fsdp",
+           "--preset", args.preset, "--seq-len", str(args.seq), "--data", args.data, "--tokenizer", "bpe",
+           "--bpe-vocab-size", str(args.vocab), "--data-cache", os.path.join(args.out, "cache"),
+           "--max-steps", str(steps), "--warmup-steps", str(max(1, steps // 50)), "--eval-interval",
+           str(args.eval_interval), "--eval-batches", str(args.eval_batches), "--log-interval",
+           str(args.log_interval), "--save-dir", save, "--save-interval", str(args.save_interval),
+           "--metrics-file", os.path.join(side_dir, "metrics.jsonl"), *(["--compile"] if args.compile else []),
+           *SIDES[args.side], *resume, *args.extra]
+    print(f"{args.side}: {steps} steps of {MICRO} x {args.seq} tokens on {world} ranks "
+          f"({steps * MICRO * args.seq * world / 1e6:.1f}M tokens){', resuming ' + save if resume else ''}", flush=True)
+    json.dump({"tokens_per_step": MICRO * args.seq * world, "steps": steps}, open(os.path.join(side_dir, "run.json"), "w"))
+    code = _launch(cmd, os.path.join(side_dir, "train.log"), args.limit)
+    done = max((m["step"] for m in _metrics(side_dir) if "loss" in m), default=0)
+    print(f"{args.side}: exit {code}, at step {done} of {steps}" + (" (run it again to go on)" if done < steps else ""),
+          flush=True)
+    return 0 if code in (0, 124) else code
+
+
+def _launch(cmd: list[str], log: str, limit: float) -> int:
+    """`cmd` in a process group of its own; past `limit` s the whole group gets SIGTERM (torchrun
+    ends its ranks), then SIGKILL after 30 s; returns its exit code, 124 past the limit."""
+    with open(log, "a") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=C.ROOT, start_new_session=True)
+        try:
+            return proc.wait(limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            return 124
+
+
+def _metrics(side_dir: str) -> list[dict]:
+    path = os.path.join(side_dir, "metrics.jsonl")
+    return [json.loads(line) for line in open(path)] if os.path.isfile(path) else []
+
+
+def curves(out: str) -> dict[str, list[tuple[float, float]]]:
+    """Each side's (tokens seen, held-out loss) points, from its metrics file."""
+    found = {}
+    for side_dir in sorted(glob.glob(os.path.join(out, "*", "metrics.jsonl"))):
+        side = os.path.basename(os.path.dirname(side_dir))
+        records = _metrics(os.path.dirname(side_dir))
+        per_step = json.load(open(os.path.join(os.path.dirname(side_dir), "run.json")))["tokens_per_step"]
+        points = [(m["step"] * per_step, m["eval_loss"]) for m in records if "eval_loss" in m]
+        if points:
+            found[side] = sorted(points)
+    return found
+
+
+def plot(args) -> int:
+    found = curves(args.out)
+    if not found:
+        raise SystemExit(f"no held-out losses under {args.out}/*/metrics.jsonl")
+    base = found["bf16"][-1][1] if "bf16" in found else None
+    print("| side | tokens | last held-out loss | vs bf16 |\n|---|---|---|---|")
+    for side, pts in found.items():
+        vs = f"{100 * (pts[-1][1] / base - 1):+.2f}%" if base else "-"
+        print(f"| {side} | {pts[-1][0] / 1e6:.1f}M | {pts[-1][1]:.4f} | {vs} |")
+    if args.png:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for side, pts in found.items():
+            ax.plot([t / 1e6 for t, _ in pts], [v for _, v in pts], label=f"{side} ({pts[-1][1]:.4f})", linewidth=1.2)
+        ax.set_xlabel("tokens seen (millions)")
+        ax.set_ylabel("held-out loss")
+        ax.set_title(args.title or os.path.basename(os.path.normpath(args.out)))
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.png, dpi=120)
+        print(f"wrote {args.png}")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="train one side (resuming its own save folder)")
+    r.add_argument("side", choices=list(SIDES))
+    r.add_argument("--preset", default="1b")
+    r.add_argument("--seq", type=int, default=2048)
+    r.add_argument("--tokens", type=float, default=150e6, help="tokens the side trains on in all")
+    r.add_argument("--data", default=default_corpus(), help="a directory or glob (default: this Python's packages)")
+    r.add_argument("--vocab", type=int, default=32000)
+    r.add_argument("--eval-interval", type=int, default=100)
+    r.add_argument("--eval-batches", type=int, default=20)
+    r.add_argument("--log-interval", type=int, default=20)
+    r.add_argument("--save-interval", type=int, default=500)
+    r.add_argument("--no-compile", dest="compile", action="store_false")
+    r.add_argument("--nproc", type=int, default=0, help="ranks (default: every GPU)")
+    r.add_argument("--limit", type=float, default=540, help="seconds this launch may run")
+    r.add_argument("--out", default="runs/convergence")
+    r.add_argument("extra", nargs="*", help="more train.py flags, after --")
+    p = sub.add_parser("plot", help="the sides' held-out curves and a table")
+    p.add_argument("out", nargs="?", default="runs/convergence")
+    p.add_argument("--png", default="")
+    p.add_argument("--title", default="")
+    args = ap.parse_args(argv)
+    return run(args) if args.cmd == "run" else plot(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
