@@ -11,7 +11,10 @@ prints each side's last held-out loss against bf16's:
     python bench/convergence.py plot runs/convergence --png docs/img/convergence_1b.png
 
 Sides: bf16 (the bf16 JSON: BF16 compute, torch AdamW) and the coat JSON (CoatAdamW) with
-train.py --recipe speed, memory or max_memory. Same seed, data, batches and schedule."""
+train.py --recipe speed, memory or max_memory; --name and train.py flags after -- make variants
+(`run speed --name speed_m8 -- --master-weights bf16+8`). Same seed, data, batches and schedule.
+The table's last two columns show a run under load: tokens/s and peak memory from the third
+logged window to the last (`run speed --micro 24 --limit 590`: the largest micro-batch, 10 min)."""
 from __future__ import annotations
 
 import argparse
@@ -25,12 +28,11 @@ import sys
 import sysconfig
 
 import _common as C
+from scaling import with_micro_batch
 
-SIDES = {"bf16": ["--deepspeed", "ds_configs/bf16_zero3.json"],
-         "speed": ["--deepspeed", "ds_configs/coat_zero3.json", "--recipe", "speed"],
-         "memory": ["--deepspeed", "ds_configs/coat_zero3.json", "--recipe", "memory"],
-         "max_memory": ["--deepspeed", "ds_configs/coat_zero3.json", "--recipe", "max_memory"]}
-MICRO = 8  # the shipped JSONs' train_micro_batch_size_per_gpu
+# Each side: its shipped JSON and train.py flags.
+SIDES = {"bf16": ("bf16_zero3", []), "speed": ("coat_zero3", ["--recipe", "speed"]),
+         "memory": ("coat_zero3", ["--recipe", "memory"]), "max_memory": ("coat_zero3", ["--recipe", "max_memory"])}
 
 
 def default_corpus() -> str:
@@ -39,25 +41,28 @@ def default_corpus() -> str:
 
 def run(args) -> int:
     world = args.nproc or C.ngpu()
-    steps = math.ceil(args.tokens / (MICRO * args.seq * world))
-    side_dir = os.path.join(args.out, args.side)
+    tokens_per_step = args.micro * args.seq * world
+    steps = math.ceil(args.tokens / tokens_per_step)
+    name = args.name or args.side
+    side_dir = os.path.join(args.out, name)
     os.makedirs(side_dir, exist_ok=True)
     save = os.path.join(side_dir, "ckpt")
     resume = ["--resume", save] if os.path.isfile(os.path.join(save, "latest")) else []
+    json_name, flags = SIDES[args.side]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "train.py", "--fsdp",
-           "--preset", args.preset, "--seq-len", str(args.seq), "--data", args.data, "--tokenizer", "bpe",
-           "--bpe-vocab-size", str(args.vocab), "--data-cache", os.path.join(args.out, "cache"),
-           "--max-steps", str(steps), "--warmup-steps", str(max(1, steps // 50)), "--eval-interval",
-           str(args.eval_interval), "--eval-batches", str(args.eval_batches), "--log-interval",
+           "--deepspeed", with_micro_batch(json_name, args.micro), "--preset", args.preset, "--seq-len", str(args.seq),
+           "--data", args.data, "--tokenizer", "bpe", "--bpe-vocab-size", str(args.vocab), "--data-cache",
+           os.path.join(args.out, "cache"), "--max-steps", str(steps), "--warmup-steps", str(max(1, steps // 50)),
+           "--eval-interval", str(args.eval_interval), "--eval-batches", str(args.eval_batches), "--log-interval",
            str(args.log_interval), "--save-dir", save, "--save-interval", str(args.save_interval),
            "--metrics-file", os.path.join(side_dir, "metrics.jsonl"), *(["--compile"] if args.compile else []),
-           *SIDES[args.side], *resume, *args.extra]
-    print(f"{args.side}: {steps} steps of {MICRO} x {args.seq} tokens on {world} ranks "
-          f"({steps * MICRO * args.seq * world / 1e6:.1f}M tokens){', resuming ' + save if resume else ''}", flush=True)
-    json.dump({"tokens_per_step": MICRO * args.seq * world, "steps": steps}, open(os.path.join(side_dir, "run.json"), "w"))
+           *flags, *resume, *args.extra]
+    print(f"{name}: {steps} steps of {args.micro} x {args.seq} tokens on {world} ranks "
+          f"({steps * tokens_per_step / 1e6:.1f}M tokens){', resuming ' + save if resume else ''}", flush=True)
+    json.dump({"tokens_per_step": tokens_per_step, "steps": steps}, open(os.path.join(side_dir, "run.json"), "w"))
     code = _launch(cmd, os.path.join(side_dir, "train.log"), args.limit)
     done = max((m["step"] for m in _metrics(side_dir) if "loss" in m), default=0)
-    print(f"{args.side}: exit {code}, at step {done} of {steps}" + (" (run it again to go on)" if done < steps else ""),
+    print(f"{name}: exit {code}, at step {done} of {steps}" + (" (run it again to go on)" if done < steps else ""),
           flush=True)
     return 0 if code in (0, 124) else code
 
@@ -102,10 +107,15 @@ def plot(args) -> int:
     if not found:
         raise SystemExit(f"no held-out losses under {args.out}/*/metrics.jsonl")
     base = found["bf16"][-1][1] if "bf16" in found else None
-    print("| side | tokens | last held-out loss | vs bf16 |\n|---|---|---|---|")
+    print("| side | tokens | last held-out loss | vs bf16 | tokens/s, 3rd window -> last | peak GB, 3rd window -> last |"
+          "\n|---|---|---|---|---|---|")
     for side, pts in found.items():
         vs = f"{100 * (pts[-1][1] / base - 1):+.2f}%" if base else "-"
-        print(f"| {side} | {pts[-1][0] / 1e6:.1f}M | {pts[-1][1]:.4f} | {vs} |")
+        logs = [m for m in _metrics(os.path.join(args.out, side)) if "tokens_per_s" in m]
+        # The first windows hold compilation and warm-up; a steady run keeps both columns flat.
+        speed, peak = (f"{logs[2][k]:,.{d}f} -> {logs[-1][k]:,.{d}f}" if len(logs) > 2 else "-"
+                       for k, d in (("tokens_per_s", 0), ("peak_mem_gb", 2)))
+        print(f"| {side} | {pts[-1][0] / 1e6:.1f}M | {pts[-1][1]:.4f} | {vs} | {speed} | {peak} |")
     if args.png:
         import matplotlib
 
@@ -130,6 +140,8 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="train one side (resuming its own save folder)")
     r.add_argument("side", choices=list(SIDES))
+    r.add_argument("--name", default="", help="the side's folder under --out (default: the side)")
+    r.add_argument("--micro", type=int, default=8, help="micro-batch per rank (the shipped JSONs': 8)")
     r.add_argument("--preset", default="1b")
     r.add_argument("--seq", type=int, default=2048)
     r.add_argument("--tokens", type=float, default=150e6, help="tokens the side trains on in all")

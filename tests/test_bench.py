@@ -138,6 +138,7 @@ def test_convergence_side_cut_by_its_limit_resumes_then_plots(tmp_path):
     rows = {r.split("|")[1].strip(): r.split("|") for r in table.splitlines() if r.startswith("| ") and "side" not in r}
     assert set(rows) == {"bf16", "speed"} and rows["bf16"][4].strip() == "+0.00%"
     assert math.isfinite(float(rows["speed"][3])) and (tmp_path / "c.png").stat().st_size > 0
+    assert "->" in rows["speed"][5] and "->" in rows["speed"][6]  # tokens/s and peak, early -> last window
 
 
 def test_grad_error_tables_eager_and_compiled():
