@@ -14,9 +14,8 @@ import json
 import statistics
 import sys
 
-import _common as C  # noqa: F401  (puts the measured tree's coat_ds on the path)
+import _common as C  # (first: puts the measured tree's coat_ds on the path)
 import torch
-from _accuracy import act_overrides, lr_at, pair_tokens
 
 from coat_ds import ActivationConfig, compress_activations  # noqa: E402
 from coat_ds.train.determinism import deterministic_kernels  # noqa: E402
@@ -36,7 +35,7 @@ def run_grad_error(args, argv) -> int:
     parameter kind (over layers) the SQNR in dB and the norm ratio. Where compression's error
     goes, without a whole training run per question. On CUDA with deterministic kernels, so
     that the difference is compression's alone."""
-    act = act_overrides(args.act_config)
+    act = C.act_overrides(args.act_config)
     modes = args.modes.split(",")
     if any(m not in ("eager", "compiled", "compiled_cqkv") for m in modes):
         raise SystemExit(f"--modes {args.modes!r}: choose from eager, compiled, compiled_cqkv")
@@ -46,7 +45,7 @@ def run_grad_error(args, argv) -> int:
     torch.manual_seed(args.seed)
     data = load_data(DataConfig(max_bytes=args.max_data_bytes))
     if args.pair_vocab:
-        data = pair_tokens(data, args.pair_vocab)
+        data = C.pair_tokens(data, args.pair_vocab)
     base = Llama(model_config(args.preset, max_seq_len=max(args.seq_len, 16), vocab_size=data.vocab_size)).to(device)
     bf16 = device.type == "cuda"
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
@@ -54,7 +53,7 @@ def run_grad_error(args, argv) -> int:
     loss = float("nan")
     for step in range(args.train_steps):
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, args.train_steps, args.warmup, args.lr)
+            g["lr"] = C.lr_at(step, args.train_steps, args.warmup, args.lr)
         x, y = (t.to(device) for t in data.batch("train", args.batch_size, args.seq_len,
                                                   batch_seed(args.seed, step, 0, 0, "train")))
         with autocast():

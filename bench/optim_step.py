@@ -283,7 +283,6 @@ def stub_table(res: dict) -> list[str]:
 def run_loop(args) -> dict:
     """Phases of the training step, medians: the whole step unsynchronized (even steps), then
     forward, backward, clipping and opt.step() each closed by a synchronize (odd steps)."""
-    from _accuracy import lr_at
     from coat_ds import ActivationConfig, CoatAdamW, compress_activations
     from coat_ds.train.data import DataConfig, batch_seed, load_data
     from coat_ds.models.llama import Llama, model_config
@@ -305,7 +304,7 @@ def run_loop(args) -> dict:
         phases = {k: [] for k in ("step", "forward", "backward", "clip", "opt.step", "opt.step host")}
         for i in range(steps):
             for g in opt.param_groups:
-                g["lr"] = lr_at(i, 600, 60, 3e-4)
+                g["lr"] = C.lr_at(i, 600, 60, 3e-4)
             x, y = (t.to(dev) for t in data.batch("train", bs, seq, batch_seed(1337, i, 0, 0, "train")))
             synced = i % 2 == 1
             C.sync()

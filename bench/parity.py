@@ -34,7 +34,6 @@ import time
 
 import _common as C
 import torch
-from _accuracy import act_overrides, lr_at, pair_tokens
 
 from coat_ds import (ActivationConfig, CoatAdamW, Fp8LinearConfig, compress_activations,  # noqa: E402
                      convert_to_fp8_linear, fuse_lm_head_loss, prepare)
@@ -126,7 +125,7 @@ def run_variant(name: str, args, data, device: torch.device) -> dict:
     curve, timed_tokens, timed_s = [], 0, 0.0
     for step in range(args.steps):
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, args.steps, args.warmup, args.lr)
+            g["lr"] = C.lr_at(step, args.steps, args.warmup, args.lr)
         x, y = batch("train", step)
         _sync(device)
         t = time.perf_counter()
@@ -201,7 +200,7 @@ def _write(out: str, meta: dict, summary: dict, results: list[dict]) -> None:
 
 
 def run_parity(args, argv) -> int:
-    args.act_config = act_overrides(args.act_config)
+    args.act_config = C.act_overrides(args.act_config)
     variants = [v for v in args.variants.split(",") if v]
     if any(v not in VARIANTS for v in variants):
         raise SystemExit(f"unknown variant in {args.variants!r}; choose from {', '.join(VARIANTS)}")
@@ -214,7 +213,7 @@ def run_parity(args, argv) -> int:
         deterministic_kernels()
     data = load_data(DataConfig(max_bytes=args.max_data_bytes))
     if args.pair_vocab:
-        data = pair_tokens(data, args.pair_vocab)
+        data = C.pair_tokens(data, args.pair_vocab)
     cfg = model_config(args.preset, max_seq_len=max(args.seq_len, 16), vocab_size=data.vocab_size)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
         f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"

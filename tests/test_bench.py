@@ -151,7 +151,7 @@ def test_grad_error_tables_eager_and_compiled():
 
 
 def test_parity_act_config_overrides():
-    acc = _load("_accuracy")
+    acc = _load("_common")
     assert acc.act_overrides(["compress_attention_inputs=true", "group_size=32", "other_format=e5m2"]) == dict(
         compress_attention_inputs=True, group_size=32, other_format="e5m2")
     with pytest.raises(SystemExit, match="'bogus=1'.*compress_attention_inputs"):
