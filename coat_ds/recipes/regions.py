@@ -14,7 +14,8 @@ forward), and the code between them (embedding, mask, norm, head) runs as it doe
 Hugging Face builds no causal mask there when nothing is padded, where a traced build hands
 attention a materialized one. Eagerly, and where a layer is compiled on its own
 (`layer.compile()`, a forward replaced on the instance: coat_ds.plan.compile_layer, recomputed
-layers) or runs inside an activation checkpoint, the forward is the class's own."""
+layers), runs inside an activation checkpoint or without gradients (a reentrant checkpoint's
+first pass, which its recomputation would not match), the forward is the class's own."""
 from __future__ import annotations
 
 import contextvars
