@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -216,14 +217,27 @@ def ngpu() -> int:
     return int(os.environ.get("NGPU") or 0) or torch.cuda.device_count() or 1
 
 
-def launch(cmd: list[str], log: str, limit: float, env: dict | None = None) -> int:
-    """Run `cmd` from the repository root with its output in `log`; its exit code, 124 past `limit` s."""
-    with open(log, "w") as f:
+def launch(cmd: list[str], log: str, limit: float, env: dict | None = None, append: bool = False) -> int:
+    """Run `cmd` from the repository root with its output in `log` (after what it holds, with
+    `append`); its exit code, 124 past `limit` s. It runs in a process group of its own: past
+    the limit the whole group gets SIGTERM (a launcher then ends its ranks; killing the
+    launcher alone would leave them holding the GPUs), and SIGKILL 30 s later; on an
+    interrupt, SIGTERM."""
+    with open(log, "a" if append else "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
         try:
-            return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=limit, cwd=ROOT,
-                                  env=env).returncode
+            return proc.wait(limit)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
             return 124
+        except BaseException:  # Ctrl-C: the group is not the terminal's any more, so end it here
+            os.killpg(proc.pid, signal.SIGTERM)
+            raise
 
 
 def header() -> str:

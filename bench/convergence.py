@@ -22,8 +22,6 @@ import glob
 import json
 import math
 import os
-import signal
-import subprocess
 import sys
 import sysconfig
 
@@ -60,28 +58,11 @@ def run(args) -> int:
     print(f"{name}: {steps} steps of {args.micro} x {args.seq} tokens on {world} ranks "
           f"({steps * tokens_per_step / 1e6:.1f}M tokens){', resuming ' + save if resume else ''}", flush=True)
     json.dump({"tokens_per_step": tokens_per_step, "steps": steps}, open(os.path.join(side_dir, "run.json"), "w"))
-    code = _launch(cmd, os.path.join(side_dir, "train.log"), args.limit)
+    code = C.launch(cmd, os.path.join(side_dir, "train.log"), args.limit, append=True)
     done = max((m["step"] for m in _metrics(side_dir) if "loss" in m), default=0)
     print(f"{name}: exit {code}, at step {done} of {steps}" + (" (run it again to go on)" if done < steps else ""),
           flush=True)
     return 0 if code in (0, 124) else code
-
-
-def _launch(cmd: list[str], log: str, limit: float) -> int:
-    """`cmd` in a process group of its own; past `limit` s the whole group gets SIGTERM (torchrun
-    ends its ranks), then SIGKILL after 30 s; returns its exit code, 124 past the limit."""
-    with open(log, "a") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=C.ROOT, start_new_session=True)
-        try:
-            return proc.wait(limit)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            return 124
 
 
 def _metrics(side_dir: str) -> list[dict]:

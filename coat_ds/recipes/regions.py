@@ -61,7 +61,7 @@ def _stepping_out(plain: Callable) -> Callable:
     # plain's signature (functools.wraps): HF Trainer reads it to keep the batch's columns.
     @functools.wraps(plain)
     def forward(self, *args, **kwargs):
-        if torch.compiler.is_compiling() and not _STEPPED_OUT.get():
+        if torch.compiler.is_compiling():
             return _step_out(plain, self, args, kwargs)
         return plain(self, *args, **kwargs)
 

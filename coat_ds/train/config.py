@@ -20,6 +20,7 @@ import yaml
 
 from ..config import RECIPES
 from ..config.checks import ConfigError, boolean, choice, integer, number, text
+from ..kernels.master import MASTER_KINDS
 from .corpus import is_corpus
 from .data import DataConfig
 from .engine_setup import read_ds_settings
@@ -34,7 +35,7 @@ ENGINE_NAMES = ("deepspeed", "fsdp")
 _FSDP_MODES = ("fsdp2", "fsdp1")
 _BIN_DTYPES = ("uint8", "uint16", "uint32", "int16", "int32", "int64")
 _TOKENIZERS = ("byte", "bpe")
-_MASTER_FORMS = ("", "fp32", "bf16+16", "bf16+8")
+_MASTER_FORMS = ("", *MASTER_KINDS)  # "": the JSON's optimizer.params decide
 
 
 @dataclass(frozen=True)
