@@ -204,6 +204,18 @@ def train_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def cap_gpu_memory(gb: float) -> None:
+    """Allocations past `gb` on this rank's GPU fail as they would on a GPU of that size."""
+    if not torch.cuda.is_available():
+        say_before_group(f"gpu_memory_gb {gb:g}: no GPU, nothing to cap")
+        return
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    if gb * 1e9 > total:
+        raise SystemExit(f"gpu_memory_gb: got {gb:g}; allowed: at most this GPU's {total / 1e9:.1f} GB")
+    torch.cuda.set_per_process_memory_fraction(gb * 1e9 / total)
+    say_before_group(f"GPU memory capped at {gb:g} GB of {total / 1e9:.1f} GB")
+
+
 def init_fsdp_distributed(timeout: timedelta) -> None:
     """One process per GPU (NCCL) or CPU process (gloo), launched by torchrun; a plain
     `python train.py --fsdp` runs as a group of one (see `launch_env`)."""
@@ -556,6 +568,8 @@ def main(argv=None) -> None:
         say_before_group("deterministic kernels: on (a GPU run repeats bit for bit, more slowly)")
     (init_deepspeed_distributed if cfg.engine == "deepspeed" else init_fsdp_distributed)(
         timedelta(seconds=cfg.dist_timeout_s))
+    if cfg.gpu_memory_gb:
+        cap_gpu_memory(cfg.gpu_memory_gb)
     watchdog = start_watchdog(cfg.heartbeat_timeout_s, lambda: resume_hint(cfg.save_dir, cfg.resume))
     try:
         train(cfg)

@@ -323,15 +323,18 @@ def _masters(model, optim) -> list[torch.Tensor]:
 
 def _fsdp2_master_worker(rank, world, init, ckpt):
     """master_weights="bf16+16" under FSDP2: the FP32 model becomes BF16 DTensors, which FSDP2
-    all-gathers as they are; every step's FP32 masters are, bit for bit, what an FP32-master
+    all-gathers as they are, the FP32 shards freed at once; every step's FP32 masters are, bit for bit, what an FP32-master
     CoatAdamW gives on the same local gradient shards. DCP checkpoints resume bit-exactly in
     both forms: a "bf16+16" checkpoint into "bf16+16" and into an FP32-master run, and that
     run's own (FP32) checkpoint back into "bf16+16"."""
     _init(rank, world, init)
     torch.manual_seed(0)
     model = setup_fsdp(Net(300), mode="fsdp2")
+    fp32_shards = [p.to_local() for p in model.parameters()]
     optim = _master_optim(model, "bf16+16")
     assert all(p.dtype == torch.bfloat16 and p.to_local().dtype == torch.bfloat16 for p in model.parameters())
+    # The FP32 shards are freed as the optimizer converts them, not at FSDP2's first forward.
+    assert all(t.untyped_storage().size() == 0 for t in fp32_shards)
     ref = [nn.Parameter(m) for m in _masters(model, optim)]
     for r, p in zip(ref, model.parameters()):
         mark_global_numel(r, p.numel())  # FP8 or FP32 moments as for the whole tensor

@@ -127,3 +127,25 @@ def test_grouped_query_attention_matches_repeated_key_value_heads():
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
     with pytest.raises(ValueError, match="n_kv_heads=3 must divide n_heads=8"):
         model_config("tiny", n_heads=8, n_kv_heads=3)
+
+
+def test_gpu_memory_gb_is_checked():
+    assert train.parse_config(["--gpu-memory-gb", "80"]).gpu_memory_gb == 80.0
+    with pytest.raises(SystemExit, match="gpu_memory_gb: got -1.0"):
+        train.parse_config(["--gpu-memory-gb", "-1"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_memory_cap_fails_allocations_past_it():
+    """--gpu-memory-gb: what fits a smaller GPU, checked on this one."""
+    try:
+        train.cap_gpu_memory(2.0)
+        kept = torch.empty(int(1e9), dtype=torch.uint8, device="cuda")
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(int(1.5e9), dtype=torch.uint8, device="cuda")
+        del kept
+        with pytest.raises(SystemExit, match="at most this GPU's"):
+            train.cap_gpu_memory(1e6)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)

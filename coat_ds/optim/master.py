@@ -83,6 +83,11 @@ def adopt(params, cfg: OptimStateConfig, states) -> None:
                 hi, rem = bits.split(local, n)
             _set_local(p, hi)
             states[p][REMAINDER_KEY] = rem
+            if isinstance(p, DTensor):
+                # FSDP2 keeps the FP32 shard's buffer as its all-gather input until its lazy init
+                # (the first forward) re-reads the parameter: freed now, a model converts within
+                # the memory of its FP32 shards instead of FP32 and BF16 side by side.
+                local.untyped_storage().resize_(0)
 
 
 def complete(param_groups: list[dict], states, config) -> None:

@@ -73,6 +73,7 @@ class TrainConfig:
     trace: str = ""  # a torch.profiler trace (Chrome JSON, .json.gz) of 3 steps after trace_after, rank 0's ("": none)
     trace_after: int = 10  # steps run before the trace starts (compilation and warm-up stay out of it)
     # engine
+    gpu_memory_gb: float = 0.0  # cap each rank's GPU memory at this many GB (torch.cuda.set_per_process_memory_fraction): whether a run fits a smaller GPU, checked on a larger one (0: the whole GPU)
     dist_timeout_s: int = 300  # process-group timeout, seconds: a collective that waits longer fails the run (docs/train_faults.md)
     heartbeat_timeout_s: int = 60  # a rank silent this long is gone: the others end at once, naming it and the checkpoint to resume (0: off)
     engine: str = "deepspeed"  # what sets the model up: "deepspeed" or "fsdp" (same as --fsdp)
@@ -118,6 +119,7 @@ class TrainConfig:
         for name in ("save_dir", "resume", "metrics_file", "trace"):
             text(name, getattr(self, name))
         integer("trace_after", self.trace_after, lo=0)
+        number("gpu_memory_gb", self.gpu_memory_gb, lo=0.0)
         if self.trace and self.trace_after >= self.max_steps:
             raise ConfigError("trace_after", self.trace_after, f"under max_steps ({self.max_steps}): the trace "
                               "would never start")
