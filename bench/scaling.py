@@ -5,7 +5,7 @@ memory profiler at 7B and 13B. Run through bench/device_env.sh (wheels, path, NC
     bash bench/device_env.sh python bench/scaling.py deepspeed coat_zero2 bf16_zero2 --flags=--compile --coat-flags="--fp8-linear --compress-activations --fused-head-loss"
     bash bench/device_env.sh python bench/scaling.py deepspeed coat_zero3 bf16_zero3 --micro 6 --tokens 8000000 --flags="--preset 7b --compile" --coat-flags="--recipe speed"
     python bench/scaling.py summary DIR                 # one table from the .jsonl of several calls
-    bash bench/device_env.sh python bench/scaling.py compile --preset 7b --mb 6 --runs bf16_compiled coat_compiled
+    bash bench/device_env.sh python bench/scaling.py table --preset 1b --gpus 1 2 4 --flags=--compile
     bash bench/device_env.sh python bench/scaling.py profile p7b_zero3 p13b_fsdp2 train7b_fsdp2 --limit 420
     torchrun --nproc_per_node 2 bench/scaling.py fsdp-memory --preset 1b --micro-batch 4
     bash bench/device_env.sh python bench/scaling.py fit --preset 7b --sides coat:2,4 coat_sib:4,8 --steps 20
@@ -14,9 +14,11 @@ memory profiler at 7B and 13B. Run through bench/device_env.sh (wheels, path, NC
 
 deepspeed: train.py with each ds_configs/<name>.json (micro-batch --micro per GPU), then the
 table (tokens/s: median over logged windows after the first; peak memory and optimizer state:
-the largest rank; ratios against the bf16_ config of the same name). compile: train.py --fsdp at
-one micro-batch, BF16 + torch AdamW and COAT (CoatAdamW + FP8 activations), eager and
---compile; ratios against BF16 eager (tokens/s of the last window). profile: `python -m
+the largest rank; ratios against the bf16_ config of the same name). table: scaling, each
+engine (zero2, zero3: DeepSpeed; fsdp2: train.py --fsdp) x side (bf16: the bf16 JSON; speed,
+memory, max_memory: the coat JSON and --recipe) at each GPU count (--gpus, fewest first):
+tokens/s per GPU, its efficiency against the fewest GPUs, the ratio against bf16 at that
+count, peak memory. profile: `python -m
 coat_ds.profile` (ZeRO-3 or FSDP2, coat_zero3 against bf16_zero3; each side in its own
 processes) or a few train.py steps. fsdp-memory: torch AdamW vs CoatAdamW vs CoatAdamW + FP8
 activations under FSDP2 in the same processes (also on CPU with gloo, tiny presets). fit: on one
@@ -88,29 +90,53 @@ def summary(out: str) -> list[str]:
     return lines
 
 
-def run_compile(args) -> list[str]:
-    flags = {"bf16_eager": ("bf16", []), "bf16_compiled": ("bf16", ["--compile"]),
-             "coat_eager": ("coat", ["--compress-activations"]),
-             "coat_compiled": ("coat", ["--compress-activations", "--compile"])}
-    for name in args.runs:
-        side, extra = flags[name]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(C.ngpu()), "train.py", "--fsdp",
-               "--deepspeed", with_micro_batch(f"{side}_zero3", args.mb), "--preset", args.preset,
-               "--seq-len", str(args.seq), "--max-steps", str(args.steps), "--warmup-steps", "2", "--log-interval", "2",
-               "--eval-interval", "0", "--eval-batches", "1", "--metrics-file", os.path.join(args.out, name + ".jsonl"), *extra]
-        print(f"{name}: exit {C.launch(cmd, os.path.join(args.out, name + '.log'), args.limit)}", flush=True)
-    last = {}
-    for name in args.runs:
-        path = os.path.join(args.out, name + ".jsonl")
-        logs = [m for m in map(json.loads, open(path)) if "tokens_per_s" in m] if os.path.isfile(path) else []
-        last[name] = logs[-1] if logs else None
-    base = (last.get("bf16_eager") or {}).get("tokens_per_s")
-    lines = [f"{args.preset}, FSDP2 on {C.ngpu()} GPUs, micro-batch {args.mb} per GPU",
-             "| run | tokens/s (last window) | vs bf16 eager | peak mem GB | loss at last step |", "|---|---|---|---|---|"]
-    for name, m in last.items():
-        lines.append(f"| {name} | failed | | | |" if m is None else f"| {name} | {m['tokens_per_s']:,.0f} | "
-                     f"{m['tokens_per_s'] / base:.3f}x | {m['peak_mem_gb']:.2f} | {m['loss']:.4f} |" if base else
-                     f"| {name} | {m['tokens_per_s']:,.0f} | - | {m['peak_mem_gb']:.2f} | {m['loss']:.4f} |")
+# table: each side's JSON and train.py flags, each engine's ZeRO stage and flags.
+TABLE_SIDES = {"bf16": ("bf16", []), "speed": ("coat", ["--recipe", "speed"]), "memory": ("coat", ["--recipe", "memory"]),
+               "max_memory": ("coat", ["--recipe", "max_memory"])}
+TABLE_ENGINES = {"zero2": ("zero2", []), "zero3": ("zero3", []), "fsdp2": ("zero3", ["--fsdp"])}
+
+
+def _window_median(metrics: str) -> tuple[float, float] | None:
+    """(median tokens/s of the logged windows after the first, peak GB) of a metrics file."""
+    logs = [m for m in map(json.loads, open(metrics)) if "tokens_per_s" in m] if os.path.isfile(metrics) else []
+    if not logs:
+        return None
+    return statistics.median([m["tokens_per_s"] for m in logs[1:]] or [logs[0]["tokens_per_s"]]), \
+        max(m["peak_mem_gb"] for m in logs)
+
+
+def run_table(args) -> list[str]:
+    """Every engine x side at each GPU count: train.py under torchrun on random tokens."""
+    data, res = token_file(32000, args.tokens), {}
+    for n in args.gpus:
+        for engine in args.engines:
+            stage, engine_flags = TABLE_ENGINES[engine]
+            for side in args.sides:
+                kind, side_flags = TABLE_SIDES[side]
+                name, t0 = f"{engine}_{side}_g{n}", time.time()
+                metrics = os.path.join(args.out, name + ".jsonl")
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port",
+                       "29514", "train.py", *engine_flags, "--deepspeed", with_micro_batch(f"{kind}_{stage}", args.micro),
+                       "--preset", args.preset, "--seq-len", str(args.seq), "--data", data, "--bin-dtype", "uint16",
+                       "--max-steps", str(args.steps), "--warmup-steps", "2", "--log-interval", str(args.log_interval),
+                       "--eval-interval", "0", "--eval-batches", "1", "--metrics-file", metrics, *side_flags,
+                       *args.flags.split()]
+                code = C.launch(cmd, os.path.join(args.out, name + ".log"), args.limit)
+                res[engine, side, n] = _window_median(metrics) if code == 0 else None
+                print(f"{name}: exit {code} ({time.time() - t0:.0f} s)", flush=True)
+    lines = [f"{args.preset}, seq {args.seq}, micro-batch {args.micro} per GPU, {args.steps} steps, random tokens of a "
+             f"32000 vocabulary{', train.py ' + args.flags if args.flags else ''}; tokens/s: the median of the logged "
+             "windows after the first; efficiency: tokens/s per GPU over the same run's at the fewest GPUs",
+             "| engine | side | GPUs | tokens/s per GPU | scaling efficiency | vs bf16 | peak GB / GPU |",
+             "|---|---|---|---|---|---|---|"]
+    for (engine, side, n), r in res.items():
+        if r is None:
+            lines.append(f"| {engine} | {side} | {n} | failed | | | |")
+            continue
+        one, base = res.get((engine, side, args.gpus[0])), res.get((engine, "bf16", n))
+        eff = f"{r[0] / n / (one[0] / args.gpus[0]):.3f}" if one else ""
+        vs = f"{r[0] / base[0]:.3f}x" if base and side != "bf16" else ""
+        lines.append(f"| {engine} | {side} | {n} | {r[0] / n:,.0f} | {eff} | {vs} | {r[1]:.2f} |")
     return lines
 
 
@@ -317,12 +343,16 @@ def main(argv=None) -> None:
                    "(0: the model config's data)")
     s = sub.add_parser("summary", help="the deepspeed table of a folder of .jsonl")
     s.add_argument("folder")
-    c = sub.add_parser("compile", help="train.py --fsdp, BF16 and COAT, eager and compiled")
+    c = sub.add_parser("table", help="scaling: each engine x side at each GPU count, train.py under torchrun")
+    c.add_argument("--gpus", type=int, nargs="+", default=[1, 2, 4], help="GPU counts, fewest first")
+    c.add_argument("--engines", nargs="+", default=list(TABLE_ENGINES), choices=list(TABLE_ENGINES))
+    c.add_argument("--sides", nargs="+", default=["bf16", "speed", "memory"], choices=list(TABLE_SIDES))
     c.add_argument("--preset", default="1b")
-    c.add_argument("--mb", type=int, default=4, help="micro-batch per GPU")
-    c.add_argument("--steps", type=int, default=10)
-    c.add_argument("--runs", nargs="+", default=["bf16_eager", "bf16_compiled", "coat_eager", "coat_compiled"],
-                   choices=["bf16_eager", "bf16_compiled", "coat_eager", "coat_compiled"])
+    c.add_argument("--micro", type=int, default=8, help="micro-batch per GPU")
+    c.add_argument("--steps", type=int, default=12)
+    c.add_argument("--log-interval", type=int, default=3)
+    c.add_argument("--tokens", type=int, default=8_000_000, help="random tokens of a 32000 vocabulary")
+    c.add_argument("--flags", default="", help="train.py flags for every run (one string: \"--compile\")")
     p = sub.add_parser("profile", help="the memory profiler (or a few train.py steps) on every GPU")
     p.add_argument("runs", nargs="+", choices=["p7b_zero3", "p13b_zero3", "p7b_fsdp2", "p13b_fsdp2", "train7b_fsdp2"])
     p.add_argument("--steps", type=int, default=6, help="train runs: steps")
@@ -357,7 +387,7 @@ def main(argv=None) -> None:
     args.out = os.path.abspath(args.out or os.path.join("runs", args.cmd))
     os.makedirs(args.out, exist_ok=True)
     print(C.header() + f", {C.ngpu()} GPUs", flush=True)
-    run = {"deepspeed": run_deepspeed, "compile": run_compile, "profile": run_profile, "fsdp-memory": fsdp_memory,
+    run = {"deepspeed": run_deepspeed, "table": run_table, "profile": run_profile, "fsdp-memory": fsdp_memory,
            "fit": run_fit}
     lines = run[args.cmd](args)
     C.finish(args, args.cmd, lines, lines)

@@ -141,6 +141,21 @@ def test_convergence_side_cut_by_its_limit_resumes_then_plots(tmp_path):
     assert "->" in rows["speed"][5] and "->" in rows["speed"][6]  # tokens/s and peak, early -> last window
 
 
+def test_scaling_table_over_gpu_counts_engines_and_sides(tmp_path):
+    """bench/scaling.py table on CPU ranks (gloo): every engine x side at 1 and 2 ranks, each
+    row with its per-rank tokens/s, its efficiency against 1 rank and its ratio to bf16."""
+    out = _run("bench/scaling.py", "table", "--preset", "tiny", "--gpus", "1", "2", "--engines", "zero3", "fsdp2",
+                   "--sides", "bf16", "speed", "--steps", "4", "--log-interval", "1", "--seq", "64", "--micro", "2",
+                   "--tokens", "200000", "--limit", "200", "--out", str(tmp_path))
+    rows = [r.split("|")[1:-1] for r in _last_table(out)[2:]]
+    assert [(r[0].strip(), r[1].strip(), r[2].strip()) for r in rows] == [
+        (e, s, g) for g in ("1", "2") for e in ("zero3", "fsdp2") for s in ("bf16", "speed")]
+    for engine, side, gpus, tps, eff, vs, peak in (map(str.strip, r) for r in rows):
+        assert float(tps.replace(",", "")) > 0 and float(peak) > 0
+        assert float(eff) > 0 and (gpus != "1" or eff == "1.000")
+        assert (vs == "") == (side == "bf16") and (side == "bf16" or float(vs.rstrip("x")) > 0)
+
+
 def test_grad_error_tables_eager_and_compiled():
     out = _run("bench/grad_error.py", "--preset", "tiny", "--train-steps", "2", "--batch-size", "2",
                "--grad-batch-size", "2", "--seq-len", "32", "--max-data-bytes", "200000")
