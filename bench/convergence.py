@@ -26,11 +26,7 @@ import sys
 import sysconfig
 
 import _common as C
-from scaling import with_micro_batch
-
-# Each side: its shipped JSON and train.py flags.
-SIDES = {"bf16": ("bf16_zero3", []), "speed": ("coat_zero3", ["--recipe", "speed"]),
-         "memory": ("coat_zero3", ["--recipe", "memory"]), "max_memory": ("coat_zero3", ["--recipe", "max_memory"])}
+from scaling import RECIPE_SIDES, with_micro_batch
 
 
 def default_corpus() -> str:
@@ -46,9 +42,9 @@ def run(args) -> int:
     os.makedirs(side_dir, exist_ok=True)
     save = os.path.join(side_dir, "ckpt")
     resume = ["--resume", save] if os.path.isfile(os.path.join(save, "latest")) else []
-    json_name, flags = SIDES[args.side]
+    kind, flags = RECIPE_SIDES[args.side]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "train.py", "--fsdp",
-           "--deepspeed", with_micro_batch(json_name, args.micro), "--preset", args.preset, "--seq-len", str(args.seq),
+           "--deepspeed", with_micro_batch(f"{kind}_zero3", args.micro), "--preset", args.preset, "--seq-len", str(args.seq),
            "--data", args.data, "--tokenizer", "bpe", "--bpe-vocab-size", str(args.vocab), "--data-cache",
            os.path.join(args.out, "cache"), "--max-steps", str(steps), "--warmup-steps", str(max(1, steps // 50)),
            "--eval-interval", str(args.eval_interval), "--eval-batches", str(args.eval_batches), "--log-interval",
@@ -120,7 +116,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="train one side (resuming its own save folder)")
-    r.add_argument("side", choices=list(SIDES))
+    r.add_argument("side", choices=list(RECIPE_SIDES))
     r.add_argument("--name", default="", help="the side's folder under --out (default: the side)")
     r.add_argument("--micro", type=int, default=8, help="micro-batch per rank (the shipped JSONs': 8)")
     r.add_argument("--preset", default="1b")

@@ -70,6 +70,12 @@ def run_deepspeed(args) -> list[str]:
     return summary(args.out)
 
 
+def _speed_and_peak(logs: list[dict]) -> tuple[float, float]:
+    """(median tokens/s of the logged windows after the first, peak GB) of a run's train records."""
+    return (statistics.median([m["tokens_per_s"] for m in logs[1:]] or [logs[0]["tokens_per_s"]]),
+            max(m["peak_mem_gb"] for m in logs))
+
+
 def summary(out: str) -> list[str]:
     rows = {}
     for path in sorted(glob.glob(os.path.join(out, "*.jsonl"))):
@@ -77,10 +83,9 @@ def summary(out: str) -> list[str]:
         train = [r for r in recs if "loss" in r and "tokens_per_s" in r]
         state = [r["optimizer_state_gb"] for r in recs if "optimizer_state_gb" in r]
         if train:
-            rows[os.path.basename(path)[:-6]] = dict(
-                steps=train[-1]["step"], loss=train[-1]["loss"], peak=max(r["peak_mem_gb"] for r in train),
-                tps=statistics.median([r["tokens_per_s"] for r in train[1:]] or [train[0]["tokens_per_s"]]),
-                state=state[0] if state else float("nan"))
+            tps, peak = _speed_and_peak(train)
+            rows[os.path.basename(path)[:-6]] = dict(steps=train[-1]["step"], loss=train[-1]["loss"], peak=peak,
+                                                     tps=tps, state=state[0] if state else float("nan"))
     lines = ["| run | steps | loss | tokens/s | peak mem / GPU (GB) | optimizer state / GPU (GB) | state vs bf16 | "
              "tokens/s vs bf16 |", "|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
@@ -90,19 +95,10 @@ def summary(out: str) -> list[str]:
     return lines
 
 
-# table: each side's JSON and train.py flags, each engine's ZeRO stage and flags.
-TABLE_SIDES = {"bf16": ("bf16", []), "speed": ("coat", ["--recipe", "speed"]), "memory": ("coat", ["--recipe", "memory"]),
-               "max_memory": ("coat", ["--recipe", "max_memory"])}
+# table and convergence.py: each side's JSON family and train.py flags; each engine's ZeRO stage and flags.
+RECIPE_SIDES = {"bf16": ("bf16", []), "speed": ("coat", ["--recipe", "speed"]),
+                "memory": ("coat", ["--recipe", "memory"]), "max_memory": ("coat", ["--recipe", "max_memory"])}
 TABLE_ENGINES = {"zero2": ("zero2", []), "zero3": ("zero3", []), "fsdp2": ("zero3", ["--fsdp"])}
-
-
-def _window_median(metrics: str) -> tuple[float, float] | None:
-    """(median tokens/s of the logged windows after the first, peak GB) of a metrics file."""
-    logs = [m for m in map(json.loads, open(metrics)) if "tokens_per_s" in m] if os.path.isfile(metrics) else []
-    if not logs:
-        return None
-    return statistics.median([m["tokens_per_s"] for m in logs[1:]] or [logs[0]["tokens_per_s"]]), \
-        max(m["peak_mem_gb"] for m in logs)
 
 
 def run_table(args) -> list[str]:
@@ -112,7 +108,7 @@ def run_table(args) -> list[str]:
         for engine in args.engines:
             stage, engine_flags = TABLE_ENGINES[engine]
             for side in args.sides:
-                kind, side_flags = TABLE_SIDES[side]
+                kind, side_flags = RECIPE_SIDES[side]
                 name, t0 = f"{engine}_{side}_g{n}", time.time()
                 metrics = os.path.join(args.out, name + ".jsonl")
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port",
@@ -122,7 +118,9 @@ def run_table(args) -> list[str]:
                        "--eval-interval", "0", "--eval-batches", "1", "--metrics-file", metrics, *side_flags,
                        *args.flags.split()]
                 code = C.launch(cmd, os.path.join(args.out, name + ".log"), args.limit)
-                res[engine, side, n] = _window_median(metrics) if code == 0 else None
+                ok = code == 0 and os.path.isfile(metrics)
+                logs = [m for m in map(json.loads, open(metrics)) if "tokens_per_s" in m] if ok else []
+                res[engine, side, n] = _speed_and_peak(logs) if logs else None
                 print(f"{name}: exit {code} ({time.time() - t0:.0f} s)", flush=True)
     lines = [f"{args.preset}, seq {args.seq}, micro-batch {args.micro} per GPU, {args.steps} steps, random tokens of a "
              f"32000 vocabulary{', train.py ' + args.flags if args.flags else ''}; tokens/s: the median of the logged "
@@ -346,7 +344,7 @@ def main(argv=None) -> None:
     c = sub.add_parser("table", help="scaling: each engine x side at each GPU count, train.py under torchrun")
     c.add_argument("--gpus", type=int, nargs="+", default=[1, 2, 4], help="GPU counts, fewest first")
     c.add_argument("--engines", nargs="+", default=list(TABLE_ENGINES), choices=list(TABLE_ENGINES))
-    c.add_argument("--sides", nargs="+", default=["bf16", "speed", "memory"], choices=list(TABLE_SIDES))
+    c.add_argument("--sides", nargs="+", default=["bf16", "speed", "memory"], choices=list(RECIPE_SIDES))
     c.add_argument("--preset", default="1b")
     c.add_argument("--micro", type=int, default=8, help="micro-batch per GPU")
     c.add_argument("--steps", type=int, default=12)
