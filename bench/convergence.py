@@ -112,7 +112,8 @@ def plot(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The command line; what follows `--` goes to train.py as it is (`run`'s extra flags)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="train one side (resuming its own save folder)")
@@ -131,13 +132,21 @@ def main(argv=None) -> int:
     r.add_argument("--no-compile", dest="compile", action="store_false")
     r.add_argument("--nproc", type=int, default=0, help="ranks (default: every GPU)")
     r.add_argument("--limit", type=float, default=540, help="seconds this launch may run")
-    r.add_argument("--out", default="runs/convergence")
-    r.add_argument("extra", nargs="*", help="more train.py flags, after --")
+    r.add_argument("--out", default="runs/convergence", help="... -- FLAGS: more train.py flags")
     p = sub.add_parser("plot", help="the sides' held-out curves and a table")
     p.add_argument("out", nargs="?", default="runs/convergence")
     p.add_argument("--png", default="")
     p.add_argument("--title", default="")
-    args = ap.parse_args(argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = ap.parse_args(argv[:cut])
+    if cut < len(argv) and args.cmd != "run":
+        ap.error(f"only run takes train.py flags after --, not {args.cmd}")
+    args.extra = argv[cut + 1:]
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(sys.argv[1:] if argv is None else list(argv))
     return run(args) if args.cmd == "run" else plot(args)
 
 

@@ -73,6 +73,8 @@ def category(name: str) -> str:
         return "GEMM, FP8" if name.startswith("nvjet_sm90_q") else "GEMM, 16/32-bit"
     if "flash" in name or "fmha" in name or "sdpa" in name:
         return "attention"
+    if "nccl" in name.lower():
+        return "communication"
     if name.startswith("triton_"):
         return "Inductor kernels"
     return "optimizer" if "adam" in name.lower() or "FusedOpti" in name else "other"

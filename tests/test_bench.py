@@ -141,6 +141,15 @@ def test_convergence_side_cut_by_its_limit_resumes_then_plots(tmp_path):
     assert "->" in rows["speed"][5] and "->" in rows["speed"][6]  # tokens/s and peak, early -> last window
 
 
+def test_convergence_hands_what_follows_double_dash_to_train_py():
+    conv = _load("convergence")
+    args = conv.parse(["run", "speed", "--name", "m8", "--tokens", "5e7", "--", "--master-weights", "bf16+8"])
+    assert (args.side, args.name, args.tokens, args.extra) == ("speed", "m8", 5e7, ["--master-weights", "bf16+8"])
+    assert conv.parse(["run", "bf16"]).extra == []
+    with pytest.raises(SystemExit):
+        conv.parse(["plot", "runs", "--", "--seed", "1"])
+
+
 def test_scaling_table_over_gpu_counts_engines_and_sides(tmp_path):
     """bench/scaling.py table on CPU ranks (gloo): every engine x side at 1 and 2 ranks, each
     row with its per-rank tokens/s, its efficiency against 1 rank and its ratio to bf16."""
