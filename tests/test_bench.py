@@ -48,7 +48,7 @@ def _last_table(out: str) -> list[str]:
 def test_bench_holds_few_short_files():
     # One script per question (and their shared modules and shell helpers), none long.
     files = [f for f in os.listdir(BENCH) if not f.startswith((".", "__"))]
-    assert len(files) <= 16, files
+    assert len(files) <= 17, files
     long = {f: n for f in files if (n := sum(1 for _ in open(os.path.join(BENCH, f)))) > 400}
     assert not long, f"bench files over 400 lines (one script per question): {long}"
 
@@ -202,3 +202,42 @@ def test_gaps_puts_idle_time_on_the_launching_op(tmp_path):
     assert "| 0.04 | my_host_work | triton_poi_fused_0 |" in lines
     # The GPU went idle at 10 us, while the host still ran early_work (5-30 us).
     assert lines[-1] == "| 0.04 | early_work |"
+
+
+def test_scale_model_bandwidth_from_a_trace_and_its_predictions(tmp_path):
+    model = _load("scale_model")
+    # Two all-gathers of 1M BF16 elements on 2 ranks: 1 MB through each rank in 10 and 20 us.
+    # The slower one waited for its peer, so the faster half counts: 100 GB/s.
+    events = []
+    for i, dur in enumerate((10.0, 20.0)):
+        events.append({"ph": "X", "name": "record_param_comms", "ts": 100 * i, "dur": 1, "cat": "cpu_op",
+                       "args": {"Collective name": "_allgather_base", "dtype": "BFloat16", "In msg nelems": 500_000,
+                                "Out msg nelems": 1_000_000, "Group size": 2}})
+        events.append({"ph": "X", "name": "ncclDevKernel_AllGather_RING_LL(x)", "ts": 100 * i + 5, "dur": dur,
+                       "cat": "kernel"})
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    assert model.trace_bus_gbs(str(path)) == {"AllGather": pytest.approx(100.0)}
+
+    def rows(*extra):
+        table = model.predict(model.parse(["--fit", "bf16=25000", "speed=35000", "--host-gbs", "200",
+                                           "--check", "2:bf16=25000,speed=35000", *extra]))
+        check = [r.split("|") for r in table if r.startswith("| 2 | ") and r.count("|") == 6]
+        per_gpu = {int(r.split("|")[1]): [None if "no fit" in c else float(c.split("(")[0].replace(",", ""))
+                                          for c in r.split("|")[2:5]]
+                   for r in table[table.index(next(t for t in table if t.startswith("7b"))) + 3:][:10]}
+        return check, per_gpu
+
+    check, fsdp = rows()
+    # The fitted run is reproduced; within a host the collectives hide and tokens/s per GPU hold.
+    assert [abs(float(r[5].strip(" %+"))) for r in check] == [0.0, 0.0]
+    assert fsdp[8][1] == pytest.approx(35000 / 2, rel=0.02) and fsdp[8][0] == pytest.approx(25000 / 2, rel=0.02)
+    # Across hosts the network shows, more for the faster side; FP8 gathers give some back; HSDP more.
+    assert fsdp[16][1] / fsdp[16][0] < fsdp[8][1] / fsdp[8][0]
+    assert all(fsdp[n][2] >= fsdp[n][1] for n in fsdp) and fsdp[16][2] > fsdp[16][1]
+    _, hsdp = rows("--hsdp")
+    assert all(hsdp[n][1] >= fsdp[n][1] for n in fsdp) and hsdp[64][1] > 1.2 * fsdp[64][1]
+    # 7B's BF16 state (16 bytes a parameter) and 55 GB of activations outgrow one 141 GB GPU; coat's fit.
+    assert fsdp[1][0] is None and fsdp[1][1] is not None
+    with pytest.raises(SystemExit):
+        model.parse(["--fit", "bf17=1", "--host-gbs", "1"])
