@@ -150,7 +150,10 @@ def setup_fsdp_engine(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
 
     ds = read_ds_settings(cfg.deepspeed, dist.get_world_size())
     # As under DeepSpeed's bf16: FP32 master weights and optimizer, BF16 compute, FP32 reduction.
-    model = setup_fsdp(model, mode=cfg.fsdp_mode, param_dtype=torch.bfloat16 if ds.bf16 else None)
+    if cfg.fsdp_shard_size and dist.get_world_size() % cfg.fsdp_shard_size:
+        raise SystemExit(f"fsdp_shard_size {cfg.fsdp_shard_size} does not divide the {dist.get_world_size()} ranks")
+    model = setup_fsdp(model, mode=cfg.fsdp_mode, param_dtype=torch.bfloat16 if ds.bf16 else None,
+                       shard_size=cfg.fsdp_shard_size or None)
     if next(model.parameters()).is_meta:  # meta_start: this rank's shards get storage and values now
         materialize(model, train_device(), cfg.seed)
     # Stepping in backward, CoatAdamW clips itself (the gradients are gone once backward ends).
@@ -449,7 +452,9 @@ def train(cfg: TrainConfig) -> None:
             for block in model.blocks:
                 compile_layer(block)
 
-    say(f"setting up the {cfg.engine} engine with {cfg.deepspeed}", flush=True)
+    say(f"setting up the {cfg.engine} engine with {cfg.deepspeed}" + (
+        f"; HSDP: each parameter sharded over {cfg.fsdp_shard_size} ranks, replicated "
+        f"{world // cfg.fsdp_shard_size} times" if cfg.fsdp_shard_size else ""), flush=True)
     runner = ENGINES[cfg.engine](cfg, model)
     start = 0
     if cfg.resume:

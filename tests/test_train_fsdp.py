@@ -187,6 +187,21 @@ def test_train_py_fsdp2_compiled_blocks_with_fp8_activations(tmp_path):
     assert runs["compiled"][6]["loss"] < runs["compiled"][2]["loss"]
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun not installed")
+def test_train_py_hsdp_replicates_across_groups(tmp_path):
+    """--fsdp-shard-size 1 on 2 ranks: HSDP with each parameter whole on its rank and the
+    gradients all-reduced, the recipe's run as plain FSDP2 trains it."""
+    runs = {}
+    for name, flags in (("hsdp", ("--fsdp-shard-size", "1")), ("fsdp2", ())):
+        proc = _run(2, "--recipe", "speed", *flags, "--metrics-file", str(tmp_path / f"{name}.jsonl"))
+        assert "step 6/6 (100%)" in proc.stdout
+        runs[name] = read_metrics(tmp_path / f"{name}.jsonl")
+        assert ("HSDP: each parameter sharded over 1 ranks, replicated 2 times" in proc.stdout) == (name == "hsdp")
+    for step in (2, 4, 6):
+        assert runs["hsdp"][step]["loss"] == pytest.approx(runs["fsdp2"][step]["loss"], rel=0.01)
+
+
 def test_flags_pick_the_fsdp_engine_and_its_options():
     sys.path.insert(0, ROOT)
     import train
@@ -210,6 +225,10 @@ def test_flags_pick_the_fsdp_engine_and_its_options():
             assert cfg.recipe == recipe and cfg.step_in_backward == sib, (recipe, engine)
             off = "step in backward: OFF although recipe max_memory asks for it"
             assert (off in "\n".join(train.settings_lines(cfg))) == (recipe == "max_memory" and not sib)
+    assert train.parse_config(["--fsdp", "--fsdp-shard-size", "8"]).fsdp_shard_size == 8
+    for flags in (["--fsdp-shard-size", "2"], ["--fsdp", "--fsdp-mode", "fsdp1", "--fsdp-shard-size", "2"]):
+        with pytest.raises(SystemExit, match="fsdp_shard_size: got 2 .*0 unless engine is fsdp with fsdp_mode fsdp2"):
+            train.parse_config(flags)
     refused = r"--fused-head-loss: fused_head_loss: got True \(bool\); allowed: off with recipe 'speed'"
     with pytest.raises(SystemExit, match=refused):
         train.parse_config(["--recipe", "speed", "--fused-head-loss"])

@@ -55,6 +55,7 @@ from torch.distributed.fsdp import (
     StateDictType,
 )
 from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from ..activation import compress_activations
@@ -66,7 +67,7 @@ from ..config import ActivationConfig
 from ..optim import CoatAdamW
 from ..optim.state import REMAINDER_KEY
 from ..optim.sharded import mark_global_numel
-from ..optim.state import MOMENTS
+from .fsdp1_state import fsdp1_load_optim_state_dict, fsdp1_optim_state_dict
 
 __all__ = ["FsdpConfig", "setup_fsdp", "save_checkpoint", "load_checkpoint", "load_checkpoint_folder",
            "resolve_checkpoint", "clip_grad_norm_",
@@ -86,6 +87,9 @@ class FsdpConfig:
         reshard_after_forward: free gathered parameters after forward (ZeRO-3-like) or keep to backward
         param_dtype: compute dtype of gathered parameters (torch.bfloat16...); None: as stored
         activation: FP8 activation compression of the whole model (None: off)
+        shard_size: FSDP2 only: None shards over every rank; k makes it HSDP, each parameter
+            sharded over groups of k consecutive ranks (a host's GPUs) and replicated across the
+            groups, so only the gradients' all-reduce crosses between groups
     """
 
     mode: str = "fsdp2"
@@ -94,10 +98,16 @@ class FsdpConfig:
     reshard_after_forward: bool = True
     param_dtype: torch.dtype | None = None
     activation: ActivationConfig | None = None
+    shard_size: int | None = None
 
     def __post_init__(self):
         if self.mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got {self.mode!r}")
+        if self.shard_size is not None:
+            if isinstance(self.shard_size, bool) or not isinstance(self.shard_size, int) or self.shard_size < 1:
+                raise ValueError(f"shard_size must be None or an int >= 1, got {self.shard_size!r}")
+            if self.mode != "fsdp2":
+                raise ValueError(f"shard_size (HSDP) is for mode='fsdp2', not {self.mode!r}")
         if self.param_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"param_dtype must be None or a float dtype, got {self.param_dtype!r}")
 
@@ -122,6 +132,17 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
+def _hsdp_mesh(shard_size: int | None):
+    """The (replicate, shard) device mesh of HSDP over groups of `shard_size` ranks; None
+    (FSDP2's default: every rank one shard) when not asked for."""
+    if shard_size is None:
+        return None
+    world = dist.get_world_size()
+    if world % shard_size:
+        raise ValueError(f"shard_size {shard_size} does not divide the world size {world}")
+    return init_device_mesh(_device().type, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
+
+
 def setup_fsdp(model: nn.Module, config: FsdpConfig | None = None, **overrides) -> nn.Module:
     """Shard `model` over the default process group; returns the model to train.
 
@@ -141,9 +162,11 @@ def setup_fsdp(model: nn.Module, config: FsdpConfig | None = None, **overrides) 
     if config.mode == "fsdp2":
         mp = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=torch.float32
                                   if config.param_dtype is not None else None)
+        shard = partial(fully_shard, reshard_after_forward=config.reshard_after_forward, mp_policy=mp,
+                        mesh=_hsdp_mesh(config.shard_size))
         for unit in units:
-            fully_shard(unit, reshard_after_forward=config.reshard_after_forward, mp_policy=mp)
-        fully_shard(model, reshard_after_forward=config.reshard_after_forward, mp_policy=mp)
+            shard(unit)
+        shard(model)
         return model
     unit_ids = {id(u) for u in units}
     mp = None
@@ -178,56 +201,6 @@ def is_fsdp2(model: nn.Module) -> bool:
 
 def is_fsdp1(model: nn.Module) -> bool:
     return bool(FSDP.fsdp_modules(model))
-
-
-# -- FSDP1 optimizer state -------------------------------------------------------------------
-
-
-def fsdp1_optim_state_dict(model: nn.Module, optim) -> dict:
-    """FSDP1's optimizer state dict (full or sharded, per the `FSDP.state_dict_type` in
-    force) of a CoatAdamW, in torch.optim.AdamW's layout: FSDP1 gathers and unflattens
-    only FP32 tensors shaped like its flat shards, so the moments go through FP32."""
-    _ensure_state(optim)
-    fp32 = optim.fp32_state_dict()
-    # One moment per call: FSDP1 gathers every state name of a FlatParameter into one
-    # reused buffer and returns views of it, which alias when nothing copies them off the
-    # device (CPU training): exp_avg would come back holding exp_avg_sq.
-    merged: dict | None = None
-    for name in MOMENTS:
-        only = {pid: {k: v for k, v in state.items() if k not in MOMENTS or k == name}
-                for pid, state in fp32["state"].items()}
-        osd = FSDP.optim_state_dict(model, optim, {**fp32, "state": only})
-        if merged is None:
-            merged = osd
-        else:
-            for fqn, state in osd["state"].items():
-                merged["state"].setdefault(fqn, {}).update({k: v for k, v in state.items() if k == name})
-    return merged
-
-
-def fsdp1_load_optim_state_dict(model: nn.Module, optim, osd: dict) -> None:
-    """Inverse of `fsdp1_optim_state_dict` (under the same `FSDP.state_dict_type`): this
-    rank's shard of the FP32 moments, quantized again into CoatAdamW's state."""
-    optim.load_fp32_state_dict(FSDP.optim_state_dict_to_load(model, optim, osd))
-
-
-@torch.no_grad()
-def _ensure_state(optim) -> None:
-    """Create the optimizer's state if it has none yet (a step with zero gradients and zero
-    learning rate), so a checkpoint can be loaded into a freshly built optimizer."""
-    params = [p for g in optim.param_groups for p in g["params"]]
-    if optim.state or any(p.grad is not None for p in params):
-        return  # state exists, or gradients are pending that a step would consume
-    lrs = [g["lr"] for g in optim.param_groups]
-    for g in optim.param_groups:
-        g["lr"] = 0.0
-        for p in g["params"]:
-            if p.requires_grad:
-                p.grad = torch.zeros_like(p)
-    optim.step()
-    for g, lr in zip(optim.param_groups, lrs):
-        g["lr"] = lr
-    optim.zero_grad(set_to_none=True)
 
 
 # -- checkpoints ---------------------------------------------------------------------------

@@ -79,6 +79,7 @@ class TrainConfig:
     engine: str = "deepspeed"  # what sets the model up: "deepspeed" or "fsdp" (same as --fsdp)
     deepspeed: str = "ds_configs/coat_zero2.json"  # DeepSpeed JSON: optimizer, batches, clipping, BF16 (both engines)
     fsdp_mode: str = "fsdp2"  # FSDP engine: "fsdp2" (fully_shard) or "fsdp1" (FullyShardedDataParallel)
+    fsdp_shard_size: int = 0  # fsdp2: 0 shards over every rank; k is HSDP: sharded within groups of k ranks (a host's GPUs), replicated across them
     compress_activations: bool = False  # store saved activations in FP8 (coat_ds.compress_activations)
     compile: bool = False  # torch.compile each decoder block (FP8 activations then compiled into its graphs)
     cudnn_attention: bool = True  # SDPA may choose cuDNN's attention, as PyTorch does (off: flash / memory-efficient only, slower for coat at the 1b preset; cuDNN's gave one 7B forward a wrong loss, docs/benchmarks.md)
@@ -130,6 +131,10 @@ class TrainConfig:
         choice("engine", self.engine, ENGINE_NAMES)
         text("deepspeed", self.deepspeed, nonempty=True)
         choice("fsdp_mode", self.fsdp_mode, _FSDP_MODES)
+        integer("fsdp_shard_size", self.fsdp_shard_size, lo=0)
+        if self.fsdp_shard_size and (self.engine != "fsdp" or self.fsdp_mode != "fsdp2"):
+            raise ConfigError("fsdp_shard_size", self.fsdp_shard_size, "0 unless engine is fsdp with fsdp_mode fsdp2 "
+                              "(HSDP is FSDP2's; under DeepSpeed see its zero_hpz_partition_size)")
         boolean("compress_activations", self.compress_activations)
         boolean("compile", self.compile)
         boolean("cudnn_attention", self.cudnn_attention)
