@@ -2,8 +2,11 @@
 before its forward and again before its backward, its gradients reduce-scattered after) from
 compute and communication measured on one host, for BF16 and coat_ds, at 1-512 GPUs.
 
-    python bench/scale_model.py --fit-gpus 2 --fit bf16=25544 speed=35619 \\
-        --trace results/2026-11-28d/fsdp2_7b_trace/speed.json.gz --check 4:bf16=51194,speed=71999
+    python bench/scale_model.py --fit-gpus 2 --fit bf16=25544 speed=35619 --trace DIR/speed.json.gz \\
+        --check 4:bf16=51194,speed=71999 [--hsdp]
+
+(the trace: `train.py --trace`'s of the fitted run, results/2026-11-28d/fsdp2_7b_trace_2gpu.sh;
+without one, --host-gbs)
 
 The model, per rank and step, for a model of L decoder layers of P_l parameters each:
 - compute C: the measured step (tokens per rank / tokens/s per GPU at --fit-gpus, where a trace
