@@ -25,7 +25,8 @@ activations under FSDP2 in the same processes (also on CPU with gloo, tiny prese
 GPU, each side (SIDE:MB,MB,...) at growing micro-batches until one fails, train.py on random
 tokens of a 32000 vocabulary: bf16 (torch AdamW, FSDP2 at world size 1, eager), coat (FP8
 linears + activations + CoatAdamW, compiled), coat_sib (coat with --step-in-backward), coat_m8
-(coat_sib with bf16+8 master weights and no clipping), offload (DeepSpeed ZeRO-2, BF16,
+(coat_sib with bf16+8 master weights and no clipping), coat_max (coat_m8's optimizer under
+--recipe max_memory: every layer recomputed, FP8 GEMMs), offload (DeepSpeed ZeRO-2, BF16,
 DeepSpeed's CPU Adam); the largest micro-batch that ran and its tokens/s. --gpu-memory-gb holds
 every side to a smaller GPU's memory.
 Each run's log and metrics go to --out; the table is printed last.
@@ -233,6 +234,8 @@ FIT_SIDES = {
     # 5.13 bytes/param of training state: 24-bit masters, the gradient freed in backward, no clipping.
     "coat_m8": ["--fsdp", "--compile", "--compress-activations", "--fp8-linear", "--step-in-backward",
                 "--master-weights", "bf16+8"],
+    # The max_memory recipe: coat_m8's state, every layer recomputed from FP8 inputs with FP8 GEMMs.
+    "coat_max": ["--fsdp", "--compile", "--recipe", "max_memory", "--master-weights", "bf16+8"],
     "offload": [],
 }
 
@@ -246,7 +249,7 @@ def _cpu_adamw_offload(cfg: dict) -> None:
 def fit_json(side: str, micro: int) -> str:
     if side == "offload":
         return with_micro_batch("bf16_zero2", micro, "_offload", _cpu_adamw_offload)
-    if side == "coat_m8":
+    if side in ("coat_m8", "coat_max"):
         return with_micro_batch("coat_zero3", micro, "_noclip", lambda c: c.update(gradient_clipping=0.0))
     return with_micro_batch("bf16_zero3" if side == "bf16" else "coat_zero3", micro)
 
@@ -289,11 +292,12 @@ def run_fit(args) -> list[str]:
                       "--log-interval", "1", "--eval-interval", "0", "--eval-batches", "1", "--metrics-file", metrics]
             launcher = ([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", "29513"]
                         if side == "offload" else [sys.executable])
-            if args.recompute:
+            recipe = "--recipe" in FIT_SIDES[side]  # it recomputes and fuses the head's loss itself
+            if args.recompute and not recipe:
                 common += ["--plan", recompute_plan(args.preset, mb, args.seq)]
                 if args.recompute_input_fp8:
                     common += ["--recompute-input-fp8"]
-            if args.head_loss and side != "offload":
+            if args.head_loss and side != "offload" and not recipe:
                 common += ["--fused-head-loss"]
             if args.gpu_memory_gb:
                 common += ["--gpu-memory-gb", str(args.gpu_memory_gb)]

@@ -241,3 +241,15 @@ def test_scale_model_bandwidth_from_a_trace_and_its_predictions(tmp_path):
     assert fsdp[1][0] is None and fsdp[1][1] is not None
     with pytest.raises(SystemExit):
         model.parse(["--fit", "bf17=1", "--host-gbs", "1"])
+
+
+def test_scaling_fit_runs_the_max_memory_recipe_side(tmp_path):
+    """fit's coat_max side: train.py --recipe max_memory with bf16+8 masters and the no-clip
+    JSON (every layer recomputed from FP8 inputs, stepping in backward), one process on CPU."""
+    out = _run("bench/scaling.py", "fit", "--preset", "tiny", "--seq", "64", "--sides", "coat_max:2", "--steps", "3",
+               "--limit", "280", "--out", str(tmp_path))
+    row = next(r for r in _last_table(out) if r.startswith("| coat_max |")).split("|")
+    assert row[2].strip() == "2" and row[7].strip() == ""
+    log = (tmp_path / "fit_coat_max_mb2.log").read_text()
+    assert "recompute            applied: 2 decoder layers recomputed" in log
+    assert "step in backward: ON" in log and "no clipping" in log and "master 3.00" in log
