@@ -144,7 +144,8 @@ def _hsdp_mesh(shard_size: int | None):
 
 
 def setup_fsdp(model: nn.Module, config: FsdpConfig | None = None, **overrides) -> nn.Module:
-    """Shard `model` over the default process group; returns the model to train.
+    """Shard `model` over the default process group (with `shard_size`, HSDP on a (replicate,
+    shard) mesh of it); returns the model to train.
 
     FSDP2 shards in place (the same module comes back, its parameters now DTensors);
     FSDP1 returns a `FullyShardedDataParallel` wrapper. Each parameter is first marked
