@@ -36,10 +36,13 @@ from coat_ds.train.mfu import flops_per_token
 
 PEAK = 989e12  # H100 SXM / H200 dense BF16, the MFU basis of the fit
 # Bytes per parameter each side's collectives move: (all-gather, reduce-scatter).
-SIDES = {"bf16": (2, 4), "speed": (2, 4), "speed_fp8_gather": (1, 4)}
+SIDES = {"bf16": (2, 4), "speed": (2, 4), "speed_fp8_gather": (1, 4), "max_memory": (2, 4)}
 # Training state, bytes per parameter, as train.py counts it: BF16 + torch AdamW (FP32 master,
-# moments, gradient); coat with FP32 masters and FP8 moments.
-STATE_BYTES = {"bf16": 16.0, "speed": 10.13, "speed_fp8_gather": 10.13}
+# moments, gradient); coat with FP32 masters and FP8 moments; max_memory with bf16+8 masters,
+# stepping in backward without clipping.
+STATE_BYTES = {"bf16": 16.0, "speed": 10.13, "speed_fp8_gather": 10.13, "max_memory": 5.12}
+# Sides that recompute every layer's forward in backward: speed's kernels, a third more work.
+RECOMPUTED = {"max_memory"}
 GPUS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
@@ -77,16 +80,18 @@ def layer_params(preset: str, vocab: int) -> tuple[int, float]:
     return cfg.n_layers, (cfg.num_params() - 2 * vocab * cfg.dim) / cfg.n_layers
 
 
-def activation_bytes(preset: str, micro: int, seq: int, vocab: int) -> float:
-    """Saved activations of a step without recomputation: 34 bytes per token and hidden unit in
-    each layer (Korthikanti et al. 2022, attention's scores left to a fused kernel), BF16's count,
-    taken for coat too."""
+def activation_bytes(preset: str, micro: int, seq: int, vocab: int, side: str) -> float:
+    """Saved activations of a step: 34 bytes per token and hidden unit in each layer
+    (Korthikanti et al. 2022, attention's scores left to a fused kernel), BF16's count, taken
+    for coat too; a recomputing side keeps each layer's input in FP8 and one layer's whole."""
     cfg = model_config(preset, vocab_size=vocab)
-    return 34.0 * seq * micro * cfg.dim * cfg.n_layers
+    per_layer = seq * micro * cfg.dim
+    return (cfg.n_layers + 34.0) * per_layer if side in RECOMPUTED else 34.0 * per_layer * cfg.n_layers
 
 
 def step_s(compute: float, layers: int, p_layer: float, side: str, n: int, args) -> tuple[float, float]:
-    """(predicted step seconds, of which communication that shows) at `n` GPUs."""
+    """(predicted step seconds, of which communication that shows) at `n` GPUs; `compute` counts
+    a recomputing side's second forward, which runs in backward."""
     if n == 1:
         return compute, 0.0
     ag_b, rs_b = SIDES[side]
@@ -96,7 +101,8 @@ def step_s(compute: float, layers: int, p_layer: float, side: str, n: int, args)
     gbs, hop = (args.host_gbs, args.host_hop_us) if shard <= args.gpus_per_host else (args.net_gbs, args.hop_us)
     move = (shard - 1) / shard * p_layer / (gbs * 1e9)
     ag, rs = ag_b * move + (shard - 1) * hop * 1e-6, rs_b * move + (shard - 1) * hop * 1e-6
-    fwd, bwd = compute / 3 / layers, 2 * compute / 3 / layers
+    fwd_share = 1 / 4 if side in RECOMPUTED else 1 / 3
+    fwd, bwd = fwd_share * compute / layers, (1 - fwd_share) * compute / layers
     shown = (layers - 1) * (max(0.0, ag - fwd) + max(0.0, ag + rs - bwd)) + 2 * ag + rs
     if args.hsdp and hosts > 1:
         # Each layer's shard is all-reduced across hosts (a ring: twice its bytes) as backward
@@ -119,12 +125,23 @@ def compute_mfu(tps: float, side: str, args) -> float:
 
 
 def predict(args) -> list[str]:
-    tokens_rank = lambda micro: micro * args.seq  # noqa: E731
-    fit_layers, fit_p = layer_params(args.fit_preset, args.vocab)
-    fit_fpt = flops_per_token(model_config(args.fit_preset, vocab_size=args.vocab), args.seq)
     mfu = {s: compute_mfu(tps, s, args) for s, tps in args.fit.items()}
-    if "speed" in mfu:  # speed's compute, fewer bytes gathered
-        mfu["speed_fp8_gather"] = mfu["speed"]
+    if "speed" in mfu:  # speed's kernels: fewer bytes gathered, or every forward run twice
+        mfu.update({s: mfu["speed"] for s in ("speed_fp8_gather", "max_memory")})
+
+    def per_gpu(side: str, preset: str, micro: int, n: int) -> tuple[float, float] | None:
+        """(tokens/s per GPU, share of the step communication shows), None where the side's
+        training state and activations outgrow the GPU."""
+        layers, p_layer = layer_params(preset, args.vocab)
+        shard = min(n, args.gpus_per_host) if args.hsdp else n
+        if STATE_BYTES[side] * layers * p_layer / shard + activation_bytes(
+                preset, micro, args.seq, args.vocab, side) > args.gpu_gb * 1e9:
+            return None
+        work = micro * args.seq * flops_per_token(model_config(preset, vocab_size=args.vocab), args.seq)
+        t, shown = step_s(work * (4 / 3 if side in RECOMPUTED else 1) / (mfu[side] * PEAK), layers, p_layer, side,
+                          n, args)
+        return micro * args.seq / t, shown / t
+
     lines = [f"fit: {args.fit_preset}, micro-batch {args.fit_micro} x {args.seq}, {args.fit_gpus} GPUs: "
              + ", ".join(f"{s} compute at {m:.1%} MFU" for s, m in mfu.items() if s in args.fit)
              + f"; bus GB/s within a host {args.host_gbs:.0f}, across hosts {args.net_gbs:.0f}, "
@@ -132,36 +149,26 @@ def predict(args) -> list[str]:
              + ("; HSDP: sharded within each host, replicated across hosts" if args.hsdp else "")]
     sides = [s for s in SIDES if mfu.get(s)]
     if args.check:
-        lines += ["", "| check: GPUs | side | measured tokens/s | predicted | error |", "|---|---|---|---|---|"]
-        for n, measured in args.check:
+        lines += ["", "| check: GPUs | preset, micro-batch | side | measured tokens/s | predicted | error |",
+                  "|---|---|---|---|---|---|"]
+        for n, measured, (preset, micro) in args.check:
             for side, tps in measured.items():
-                compute = tokens_rank(args.fit_micro) * fit_fpt / (mfu[side] * PEAK)
-                t, _ = step_s(compute, fit_layers, fit_p, side, n, args)
-                pred = n * tokens_rank(args.fit_micro) / t
-                lines.append(f"| {n} | {side} | {tps:,.0f} | {pred:,.0f} | {100 * (pred / tps - 1):+.1f}% |")
+                got = per_gpu(side, preset, micro, n)
+                pred = "no fit" if got is None else f"{n * got[0]:,.0f} | {100 * (n * got[0] / tps - 1):+.1f}%"
+                lines.append(f"| {n} | {preset}, {micro} | {side} | {tps:,.0f} | {pred} |")
     for preset, micro in args.presets:
         layers, p_layer = layer_params(preset, args.vocab)
-        fpt = flops_per_token(model_config(preset, vocab_size=args.vocab), args.seq)
-        params, acts = layers * p_layer, activation_bytes(preset, micro, args.seq, args.vocab)
-        held = args.gpus_per_host if args.hsdp else None
         lines += ["", f"{preset}, micro-batch {micro} x {args.seq} per GPU: tokens/s per GPU (communication "
-                  "showing, % of the step)" + ("" if held is None else "; training state per GPU beyond one host: "
-                  + ", ".join(f"{s} {STATE_BYTES[s] * params / held / 1e9:.0f} GB" for s in sides))
-                  + f"; 'no fit': training state and {acts / 1e9:.0f} GB of activations over {args.gpu_gb:g} GB",
-                  "| GPUs | " + " | ".join(sides) + " | " +
-                  " | ".join(f"{s} / bf16" for s in sides if s != "bf16") + " |",
-                  "|---" * (1 + 2 * len(sides) - 1) + "|"]
+                  "showing, % of the step)" + ("" if not args.hsdp else "; training state per GPU beyond one host: "
+                  + ", ".join(f"{s} {STATE_BYTES[s] * layers * p_layer / args.gpus_per_host / 1e9:.0f} GB"
+                              for s in sides))
+                  + f"; 'no fit': training state and activations over {args.gpu_gb:g} GB",
+                  "| GPUs | " + " | ".join(sides) + " | " + " | ".join(f"{s} / bf16" for s in sides if s != "bf16")
+                  + " |", "|---" * (2 * len(sides)) + "|"]
         for n in GPUS:
-            row = {}
-            for side in sides:
-                shard = min(n, args.gpus_per_host) if args.hsdp else n
-                if STATE_BYTES[side] * params / shard + acts > args.gpu_gb * 1e9:
-                    continue  # its training state and activations outgrow the GPU
-                compute = tokens_rank(micro) * fpt / (mfu[side] * PEAK)
-                t, shown = step_s(compute, layers, p_layer, side, n, args)
-                row[side] = (tokens_rank(micro) / t, shown / t)
-            cell = lambda s: f"{row[s][0]:,.0f} ({100 * row[s][1]:.0f}%)" if s in row else "no fit"  # noqa: E731
-            ratio = lambda s: f"{row[s][0] / row['bf16'][0]:.2f}x" if s in row and "bf16" in row else "-"  # noqa: E731
+            row = {s: per_gpu(s, preset, micro, n) for s in sides}
+            cell = lambda s: "no fit" if row[s] is None else f"{row[s][0]:,.0f} ({100 * row[s][1]:.0f}%)"  # noqa: E731
+            ratio = lambda s: f"{row[s][0] / row['bf16'][0]:.2f}x" if row[s] and row.get("bf16") else "-"  # noqa: E731
             lines.append(f"| {n} | " + " | ".join(map(cell, sides)) + " | "
                          + " | ".join(ratio(s) for s in sides if s != "bf16") + " |")
     return lines
@@ -177,6 +184,13 @@ def _pairs(text: str) -> dict[str, float]:
     return out
 
 
+def _check(text: str) -> tuple[int, dict[str, float], tuple[str, int] | None]:
+    run, _, where = text.partition("@")
+    gpus, _, pairs = run.partition(":")
+    preset, _, micro = where.partition(":")
+    return int(gpus), _pairs(pairs), (preset, int(micro)) if where else None
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fit", nargs="+", required=True, type=_pairs,
@@ -184,8 +198,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--fit-gpus", type=int, default=2)
     ap.add_argument("--fit-preset", default="7b")
     ap.add_argument("--fit-micro", type=int, default=6)
-    ap.add_argument("--check", nargs="*", default=[], type=lambda s: (int(s.split(":")[0]), _pairs(s.split(":")[1])),
-                    help="GPUS:SIDE=TOKENS_PER_S,...: measured at another GPU count, to set beside the prediction")
+    ap.add_argument("--check", nargs="*", default=[], type=_check,
+                    help="GPUS:SIDE=TOKENS_PER_S,...[@PRESET:MICRO]: measured elsewhere (default: the fitted "
+                    "preset and micro-batch), to set beside the prediction")
     ap.add_argument("--trace", default="", help="a train.py --trace of the fitted run: the host's bus bandwidth")
     ap.add_argument("--host-gbs", type=float, default=0.0, help="bus GB/s within a host (default: the trace's)")
     ap.add_argument("--net-gbs", type=float, default=45.0, help="bus GB/s per GPU across hosts")
@@ -201,6 +216,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--vocab", type=int, default=32000)
     args = ap.parse_args(argv)
     args.fit = {k: v for d in args.fit for k, v in d.items()}
+    args.check = [(n, m, where or (args.fit_preset, args.fit_micro)) for n, m, where in args.check]
     if not args.host_gbs:
         if not args.trace:
             ap.error("give --trace (the fitted run's) or --host-gbs")
