@@ -89,6 +89,18 @@ def activation_bytes(preset: str, micro: int, seq: int, vocab: int, side: str) -
     return (cfg.n_layers + 34.0) * per_layer if side in RECOMPUTED else 34.0 * per_layer * cfg.n_layers
 
 
+def shard_ranks(n: int, args) -> int:
+    """Ranks each parameter is sharded over at `n` GPUs: all of them, or a host's under HSDP."""
+    return min(n, args.gpus_per_host) if args.hsdp else n
+
+
+def work_flops(side: str, preset: str, micro: int, args) -> float:
+    """FLOPs one rank's step runs: the model's (train.py's count), a third more where every
+    forward runs again in backward."""
+    per_token = flops_per_token(model_config(preset, vocab_size=args.vocab), args.seq)
+    return micro * args.seq * per_token * (4 / 3 if side in RECOMPUTED else 1)
+
+
 def step_s(compute: float, layers: int, p_layer: float, side: str, n: int, args) -> tuple[float, float]:
     """(predicted step seconds, of which communication that shows) at `n` GPUs; `compute` counts
     a recomputing side's second forward, which runs in backward."""
@@ -97,7 +109,7 @@ def step_s(compute: float, layers: int, p_layer: float, side: str, n: int, args)
     ag_b, rs_b = SIDES[side]
     hosts = -(-n // args.gpus_per_host)
     # HSDP shards within a host and all-reduces the gradient shards across hosts once a step.
-    shard = min(n, args.gpus_per_host) if args.hsdp else n
+    shard = shard_ranks(n, args)
     gbs, hop = (args.host_gbs, args.host_hop_us) if shard <= args.gpus_per_host else (args.net_gbs, args.hop_us)
     move = (shard - 1) / shard * p_layer / (gbs * 1e9)
     ag, rs = ag_b * move + (shard - 1) * hop * 1e-6, rs_b * move + (shard - 1) * hop * 1e-6
@@ -113,33 +125,31 @@ def step_s(compute: float, layers: int, p_layer: float, side: str, n: int, args)
 
 
 def compute_mfu(tps: float, side: str, args) -> float:
-    """The MFU of a side's compute alone: the fitted step less the communication that shows
-    there (the first gather and last reduce-scatter, little on one host), solved by iteration."""
+    """The FLOP rate of a side's compute alone, over PEAK: its work over the fitted step less
+    the communication that shows there (the first gather and last reduce-scatter, little on one
+    host), solved by iteration."""
     layers, p_layer = layer_params(args.fit_preset, args.vocab)
     step = args.fit_micro * args.seq * args.fit_gpus / tps
     compute = step
     for _ in range(20):
         compute = step - step_s(compute, layers, p_layer, side, args.fit_gpus, args)[1]
-    fpt = flops_per_token(model_config(args.fit_preset, vocab_size=args.vocab), args.seq)
-    return args.fit_micro * args.seq * fpt / compute / PEAK
+    return work_flops(side, args.fit_preset, args.fit_micro, args) / compute / PEAK
 
 
 def predict(args) -> list[str]:
     mfu = {s: compute_mfu(tps, s, args) for s, tps in args.fit.items()}
-    if "speed" in mfu:  # speed's kernels: fewer bytes gathered, or every forward run twice
-        mfu.update({s: mfu["speed"] for s in ("speed_fp8_gather", "max_memory")})
+    for side in ("speed_fp8_gather", "max_memory"):  # speed's kernels: fewer bytes gathered, or every forward twice
+        if "speed" in mfu:
+            mfu.setdefault(side, mfu["speed"])
 
     def per_gpu(side: str, preset: str, micro: int, n: int) -> tuple[float, float] | None:
         """(tokens/s per GPU, share of the step communication shows), None where the side's
         training state and activations outgrow the GPU."""
         layers, p_layer = layer_params(preset, args.vocab)
-        shard = min(n, args.gpus_per_host) if args.hsdp else n
-        if STATE_BYTES[side] * layers * p_layer / shard + activation_bytes(
+        if STATE_BYTES[side] * layers * p_layer / shard_ranks(n, args) + activation_bytes(
                 preset, micro, args.seq, args.vocab, side) > args.gpu_gb * 1e9:
             return None
-        work = micro * args.seq * flops_per_token(model_config(preset, vocab_size=args.vocab), args.seq)
-        t, shown = step_s(work * (4 / 3 if side in RECOMPUTED else 1) / (mfu[side] * PEAK), layers, p_layer, side,
-                          n, args)
+        t, shown = step_s(work_flops(side, preset, micro, args) / (mfu[side] * PEAK), layers, p_layer, side, n, args)
         return micro * args.seq / t, shown / t
 
     lines = [f"fit: {args.fit_preset}, micro-batch {args.fit_micro} x {args.seq}, {args.fit_gpus} GPUs: "

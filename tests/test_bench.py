@@ -246,6 +246,9 @@ def test_scale_model_bandwidth_from_a_trace_and_its_predictions(tmp_path):
     assert float(seven[2].split("(")[0].replace(",", "")) / float(seven[4].split("(")[0].replace(",", "")) == \
         pytest.approx(4 / 3, rel=1e-3)
     assert float(row[5].replace(",", "")) > 0
+    # A recomputing side fitted on its own run reproduces it (its second forward counted once).
+    table = model.predict(model.parse(["--fit", "max_memory=30000", "--host-gbs", "200", "--check", "2:max_memory=30000"]))
+    assert next(r for r in table if r.startswith("| 2 | 7b, 6 | max_memory |")).endswith("| +0.0% |")
     with pytest.raises(SystemExit):
         model.parse(["--fit", "bf17=1", "--host-gbs", "1"])
 
