@@ -47,6 +47,7 @@ from coat_ds.train.engine_setup import clipping_off_note, read_ds_settings
 from coat_ds.integrations.deepspeed.engine import comm_op_build_note, single_process_world
 from coat_ds.integrations.deepspeed.zero3 import compile_zero3_layers
 from coat_ds.memory.training_state import TrainingStateBytes, gradient_bytes, per_rank_lines, training_state_bytes
+from coat_ds.train.health_log import param_names, read_health
 from coat_ds.train.metrics import MetricsLog
 from coat_ds.train.mfu import mfu, mfu_note
 from coat_ds.train.model_start import build_model, materialize, model_start
@@ -54,6 +55,7 @@ from coat_ds.models.llama import model_config
 from coat_ds.train.config import (TrainConfig, checkpoint_plan, data_config, optimizer_overrides, parse_config,
                                   step_in_backward_refusal)
 from coat_ds.optim import nonfinite_groups
+from coat_ds.optim.health import stepped
 from coat_ds.plan import apply_plan, compile_layer
 from coat_ds.train.planning import plan_for_run, run_apply_config
 from coat_ds.train.watchdog import resume_hint, start_watchdog
@@ -91,6 +93,8 @@ class Runner:
     model: torch.nn.Module  # the module trained: its parameters are this rank's (shards, partitions)
     gradient_bytes: Callable  # () -> bytes of gradients this rank holds now (read after backward)
     state_bytes: Callable  # (gradient bytes) -> TrainingStateBytes of this rank (read after a step)
+    optimizer: torch.optim.Optimizer  # the one stepping this rank's parameters (inside any engine's wrapper)
+    stepped: list  # (tensor, param group) for every tensor it steps on this rank
 
 
 def eval_loss_of(module: torch.nn.Module) -> Callable:
@@ -139,7 +143,8 @@ def setup_deepspeed(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
                   grad_accum=engine.gradient_accumulation_steps(), device=engine.device, model=engine.module,
                   gradient_bytes=lambda: gradient_bytes(engine.module, base_optimizer, engine_gradients(engine)),
                   state_bytes=lambda grads: training_state_bytes(engine.module, base_optimizer, grads,
-                                                                 [t for t, _ in local_partitions(engine)]))
+                                                                 [t for t, _ in local_partitions(engine)]),
+                  optimizer=base_optimizer, stepped=local_partitions(engine))
 
 
 def setup_fsdp_engine(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
@@ -199,7 +204,8 @@ def setup_fsdp_engine(cfg: TrainConfig, model: torch.nn.Module) -> Runner:
                   nonfinite_groups=lambda: nonfinite_groups(optim),
                   micro_batch=ds.micro_batch, grad_accum=ds.grad_accum, device=train_device(), model=model,
                   gradient_bytes=lambda: gradient_bytes(model, optim),
-                  state_bytes=lambda grads: training_state_bytes(model, optim, grads))
+                  state_bytes=lambda grads: training_state_bytes(model, optim, grads), optimizer=optim,
+                  stepped=stepped(optim))
 
 
 def train_device() -> torch.device:
@@ -503,6 +509,7 @@ def train(cfg: TrainConfig) -> None:
             "(their tok/s includes the profiler's cost)", flush=True)
     t0, t_start, window = time.perf_counter(), time.perf_counter(), []
     grads_read: list[int] = []  # gradient bytes after the first step's backward
+    names = param_names(runner.stepped, runner.model)
     for step in range(start, cfg.max_steps):
         if step == trace_first:
             tracer = start_trace(runner.device)
@@ -549,6 +556,11 @@ def train(cfg: TrainConfig) -> None:
                 f"peak mem {mem:.2f} GB (max rank) | eta {eta:.0f}s | non-finite groups skipped {skipped}", flush=True)
             record(step=done, loss=loss, lr=runner.lr(), tokens_per_s=tok_s, peak_mem_gb=mem,
                    nonfinite_groups_skipped=skipped, **({"mfu": util} if util else {}))
+            health = read_health(runner.optimizer, runner.stepped, names)
+            say(health.line(), flush=True)
+            if health.problem():
+                say(f"WARNING: step {done}: {health.problem()}", flush=True)
+            record(step=done, **health.metrics())
             t0, window = time.perf_counter(), []
         if (cfg.eval_interval and done % cfg.eval_interval == 0) or done == cfg.max_steps:
             val = evaluate(cfg, runner, data, rank)

@@ -69,6 +69,9 @@ def test_train_py_coat_zero_killed_in_save_resumes(tmp_path, stage):
     ref = read_metrics(tmp_path / "full.jsonl")  # logged before the save that died
     assert ref[12]["loss"] < ref[2]["loss"] - 0.2
     assert "eval_loss" in ref[6] and "eval_loss" in ref[12]
+    # The health line: CoatAdamW's FP32 partitions, named by place, their moments within the bound.
+    assert "health: max |w| " in out and "(flat partition 0)" in out and "WARNING: step" not in out
+    assert 0 < ref[12]["moment_bound_ratio"] < 2 and 0 < ref[12]["param_absmax"] < 10
     # The torn save is invisible: no step12, `latest` still names step6.
     assert sorted(os.listdir(save)) == [".step12.partial", "latest", "step6", "zero_to_fp32.py", "zero_to_torch.py"]
     assert (save / "latest").read_text() == "step6"

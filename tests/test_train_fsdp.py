@@ -42,8 +42,9 @@ def test_train_py_fsdp2_killed_in_save_resumes(tmp_path):
     assert "model start: on the meta device" in out and "MFU: not reported: no dense BF16 peak known for cpu" in out
     assert "  rank 1: master 4.00 | optimizer 2.25 | gradients 4.00 | compute copies 0.00 | total 10.25" in out
     assert "optimizer state:" in out and "tok/s" in out and "peak mem" in out and "eval loss" in out
-    assert "step 6/6 (100%)" in out
+    assert "step 6/6 (100%)" in out and "health: max |w| " in out
     ref = read_metrics(tmp_path / "full.jsonl")
+    assert 0 < ref[6]["moment_bound_ratio"] < 2 and ref[6]["param_absmax_of"].startswith(("blocks.", "embed", "head"))
     losses = [ref[s]["loss"] for s in (2, 4, 6)]
     assert all(math.isfinite(v) for v in losses) and losses[2] < losses[0]
     assert ref[1]["optimizer_state_gb"] > 0

@@ -5,11 +5,11 @@ host tensors built on it, the op's torch kernels, in host.py.
 One launch covers every tensor of a bucket (same param dtype, grad dtype and step). Each
 program owns BG whole groups of one tensor, so per-group statistics, the DRE exponent and
 the scale are computed without leaving the program. Tensors are reached through a table of
-raw addresses; the table is cached and rebuilt (pinned host memory, async copy) only when an
-address changes (of a parameter, a gradient or any state tensor), and the program map only
-when the tensors do, so a step neither synchronises with the host nor recompiles.
-`adamw_step_triton` reads every address at each call; a `PreparedStep` reads only the gradients'
-and leaves the rest to its caller (CoatAdamW checks them with no Python per tensor).
+raw addresses, rebuilt (pinned host memory, async copy) only when an address changes, and the
+program map only when the tensors do: a step neither synchronises with the host nor
+recompiles. `adamw_step_triton` reads every address at each call; a `PreparedStep` reads only
+the gradients' and leaves the rest to its caller (CoatAdamW checks them with no Python per
+tensor).
 """
 from __future__ import annotations
 
@@ -79,34 +79,35 @@ def _load_moment(row, base: tl.constexpr, offs, valid, gi, gmask, QUANT: tl.cons
 
 
 @jit
-def _store_moment(row, base: tl.constexpr, new, offs, valid, gi, gmask,
+def _store_moment(row, base: tl.constexpr, new, offs, valid, gi, gmask, quiet, beta,
                   QUANT: tl.constexpr, FMT: tl.constexpr, DRE: tl.constexpr, DRE_KNUM: tl.constexpr,
                   ALIGNED: tl.constexpr, ISA: tl.constexpr):
     if QUANT:
         codes, center, kcode, sexp = quantize_tile(new, FMT, DRE, DRE_KNUM, ISA)
-        tl.store(_ptr(row, base, 3, ALIGNED) + offs, codes, mask=valid)
-        tl.store(_ptr(row, base + 1, 0, ALIGNED) + gi, center, mask=gmask)
-        tl.store(_ptr(row, base + 2, 3, ALIGNED) + gi, kcode, mask=gmask)
-        tl.store(_ptr(row, base + 3, 4, ALIGNED) + gi, sexp, mask=gmask)
+        # A group without gradient keeps its codes and decays its centre (host._moment_out).
+        center_ptr = _ptr(row, base + 1, 0, ALIGNED) + gi
+        decayed = tl.load(center_ptr, mask=gmask & quiet, other=0.0) * beta
+        quiet = quiet & (decayed >= 1.1754943508222875e-38)
+        fresh = gmask & ~quiet
+        tl.store(_ptr(row, base, 3, ALIGNED) + offs, codes, mask=valid & fresh[:, None])
+        tl.store(center_ptr, tl.where(quiet, decayed, center), mask=gmask)
+        tl.store(_ptr(row, base + 2, 3, ALIGNED) + gi, kcode, mask=fresh)
+        tl.store(_ptr(row, base + 3, 4, ALIGNED) + gi, sexp, mask=fresh)
     else:
         tl.store(_ptr(row, base, 0, ALIGNED) + offs, new, mask=valid)
 
 
 @jit
 def _adamw_kernel(table_ptr, blocks_ptr, skipped_ptr, gscale_ptr,
-                  beta1, beta2, eps, decay, step_size, inv_bc2_sqrt, lr, step, log2_beta1, log2_beta2,
-                  P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, QUANT: tl.constexpr,
-                  FMT_M: tl.constexpr, FMT_V: tl.constexpr, DRE: tl.constexpr,
-                  KNUM_M: tl.constexpr, KNUM_V: tl.constexpr,
+                  beta1, beta2, eps, decay, step_size, inv_bc2_sqrt, lr, step, log2_beta1, log2_beta2, m_bound,
+                  CLAMP: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, QUANT: tl.constexpr,
+                  FMT_M: tl.constexpr, FMT_V: tl.constexpr, DRE: tl.constexpr, KNUM_M: tl.constexpr, KNUM_V: tl.constexpr,
                   G: tl.constexpr, BG: tl.constexpr, TABLE_COLS: tl.constexpr, ALIGNED: tl.constexpr,
                   GSCALE: tl.constexpr, ISA: tl.constexpr, MASTER: tl.constexpr, REM_DTYPE: tl.constexpr):
     pid = tl.program_id(0)
-    t = tl.load(blocks_ptr + 2 * pid).to(tl.int64)
-    g0 = tl.load(blocks_ptr + 2 * pid + 1)
+    t, g0 = tl.load(blocks_ptr + 2 * pid).to(tl.int64), tl.load(blocks_ptr + 2 * pid + 1)
     row = table_ptr + t * TABLE_COLS
-    cols = tl.load(row + 10)
-    n_groups = tl.load(row + 11).to(tl.int32)
-    gpr = tl.load(row + 12).to(tl.int32)
+    cols, n_groups, gpr = tl.load(row + 10), tl.load(row + 11).to(tl.int32), tl.load(row + 12).to(tl.int32)
     gi = g0 + tl.arange(0, BG)
     gmask = gi < n_groups
     offs, valid = group_offsets(gi, n_groups, cols, gpr, G, ALIGNED)
@@ -128,28 +129,30 @@ def _adamw_kernel(table_ptr, blocks_ptr, skipped_ptr, gscale_ptr,
     # A group whose gradient or new moments are not finite keeps its old state. A NaN or
     # inf gradient makes v NaN or inf, and so does a finite one whose square overflows.
     ok = tl.min(((v < float("inf")) & (tl.abs(m) < float("inf"))).to(tl.int32), axis=1) > 0
+    quiet = tl.max((g != 0.0).to(tl.int32), axis=1) == 0
+    if CLAMP:  # a quantized m within Adam's bound (layout.adam_bound)
+        lim = m_bound * tl.sqrt(v)
+        m = tl.minimum(tl.maximum(m, -lim), lim)
     # A group that skipped s steps is bias-corrected at step - s; one that never skipped
     # takes the host's float64 corrections, as before skips were counted.
     skips_ptr = _ptr(row, 13, 5, ALIGNED)
     skips = tl.load(skips_ptr + gi, mask=gmask, other=0)
     n = step - skips.to(tl.float32)
-    bc1 = 1.0 - tl.exp2(n * log2_beta1)
-    bc2 = 1.0 - tl.exp2(n * log2_beta2)
+    bc1, bc2 = 1.0 - tl.exp2(n * log2_beta1), 1.0 - tl.exp2(n * log2_beta2)
     g_step_size = tl.where(skips > 0, lr * rcp(bc1, ISA), step_size)
     g_inv_bc2_sqrt = tl.where(skips > 0, rcp(tl.sqrt(bc2), ISA), inv_bc2_sqrt)
     denom = tl.sqrt(v) * g_inv_bc2_sqrt[:, None] + eps
     p_new = p * decay - g_step_size[:, None] * (m * rcp(denom, ISA))
 
-    keep = valid & ok[:, None]
-    gkeep = gmask & ok
+    keep, gkeep = valid & ok[:, None], gmask & ok
     if MASTER == 0:
         if P_DTYPE == 1:
             p_new = round_to_bf16(p_new)
         tl.store(p_ptr + offs, p_new.to(p_ptr.dtype.element_ty), mask=keep)
     else:
         store_master(_ptr(row, 0, 6, ALIGNED), _ptr(row, 14, REM_DTYPE, ALIGNED), p_new, offs, keep, MASTER)
-    _store_moment(row, 2, m, offs, keep, gi, gkeep, QUANT, FMT_M, DRE, KNUM_M, ALIGNED, ISA)
-    _store_moment(row, 6, v, offs, keep, gi, gkeep, QUANT, FMT_V, DRE, KNUM_V, ALIGNED, ISA)
+    _store_moment(row, 2, m, offs, keep, gi, gkeep, quiet, beta1, QUANT, FMT_M, DRE, KNUM_M, ALIGNED, ISA)
+    _store_moment(row, 6, v, offs, keep, gi, gkeep, quiet, beta2, QUANT, FMT_V, DRE, KNUM_V, ALIGNED, ISA)
     bad = gmask & ~ok
     tl.store(skips_ptr + gi, skips + 1, mask=bad)
     n_bad = tl.sum(bad.to(tl.int32), axis=0)
@@ -266,8 +269,8 @@ class _Launch:
         _adamw_kernel[(plan.grid,)](
             plan.table, plan.blocks, skipped, skipped if grad_scale is None else grad_scale,
             hyper.beta1, hyper.beta2, hyper.eps, 1.0 - hyper.lr * hyper.weight_decay, hyper.step_size,
-            1.0 / hyper.bias_correction2_sqrt, hyper.lr, hyper.step, *hyper.log2_betas(),
-            ALIGNED=plan.aligned, GSCALE=grad_scale is not None, ISA=kernel_isa(self.device),  # may change
+            1.0 / hyper.bias_correction2_sqrt, hyper.lr, hyper.step, *hyper.log2_betas(), hyper.m_bound or 0.0,
+            CLAMP=self.consts["QUANT"] and hyper.m_bound is not None, ALIGNED=plan.aligned, GSCALE=grad_scale is not None, ISA=kernel_isa(self.device),  # may change
             **self.consts)
 
 
@@ -380,11 +383,8 @@ def _step_op(k, params: list[Tensor], grads: list[Tensor], exp_avg: list[Tensor]
            skipped=skipped, plan_cache=plans)
 
 
-def _step_fake(*args) -> None:
-    return None
-
-
-define("adamw_step", __name__, _step_op, _step_fake, mutates=("params", "exp_avg", "exp_avg_sq", "skips", "skipped"))
+define("adamw_step", __name__, _step_op, lambda *args: None,
+       mutates=("params", "exp_avg", "exp_avg_sq", "skips", "skipped"))
 
 
 class AdamWKernels(NamedTuple):

@@ -36,6 +36,10 @@ from .fp8_torch import exact_div
 from .group_codec import dequantize_grouped, grouped, quantize_grouped, ungrouped
 from .layout import AdamWHyper, AdamWSlot, QuantizedGroups, group_layout
 
+# The smallest normal float32: a centre decayed below it is quantized again (GPUs flush
+# subnormals).
+FLT_MIN = 1.1754943508222875e-38
+
 __all__ = ["adamw_step", "host_step", "chunk_slots", "HOST_CHUNK_ELEMS"]
 
 
@@ -48,13 +52,20 @@ def _moment_in(state, group_size: int, fmt: Fp8Format) -> torch.Tensor:
     return grouped(state, group_size).to(torch.float32)
 
 
-def _moment_out(state, new: torch.Tensor, ok: torch.Tensor, group_size: int, fmt: Fp8Format, dre: bool):
+def _moment_out(state, new: torch.Tensor, ok: torch.Tensor, quiet: torch.Tensor, beta: float, group_size: int,
+                fmt: Fp8Format, dre: bool):
     if isinstance(state, QuantizedGroups):
         qn = quantize_grouped(new, fmt, dre)
+        # A group without gradient only decays: its codes stay and its centre takes the
+        # factor, exactly, where quantizing again would round every element once more.
+        decayed = state.center * beta
+        quiet = quiet & (decayed >= FLT_MIN)
+        fresh = ok & ~quiet
         old_codes = grouped(state.codes, group_size)
-        state.codes.copy_(ungrouped(torch.where(ok[..., None], qn.codes, old_codes), state.codes.shape))
-        for dst, src in zip(state[1:], qn[1:]):
-            dst.copy_(torch.where(ok, src, dst))
+        state.codes.copy_(ungrouped(torch.where(fresh[..., None], qn.codes, old_codes), state.codes.shape))
+        state.center.copy_(torch.where(quiet, decayed, torch.where(ok, qn.center, state.center)))
+        for dst, src in zip(state[2:], qn[2:]):
+            dst.copy_(torch.where(fresh, src, dst))
     else:
         old = grouped(state, group_size).to(torch.float32)
         state.copy_(ungrouped(torch.where(ok[..., None], new, old), state.shape))
@@ -76,7 +87,9 @@ def adamw_step(
     A group (G consecutive elements of a row) whose gradient or new moments are not finite
     is left untouched (parameter and both moments); their count is added to `skipped` and
     to the group's entry of `slot.skips`. A group that skipped s steps before is
-    bias-corrected at step - s, as if those steps had not happened for it. A slot with a
+    bias-corrected at step - s, as if those steps had not happened for it. A quantized m is
+    clamped to Adam's bound (layout.adam_bound), and a group whose gradient is all zero keeps
+    its codes and decays its centres (docs/optimizer.md, "Many steps"). A slot with a
     `remainder` steps the FP32 master it holds with its BF16 parameter and writes both back.
     `plan_cache` is accepted for signature parity with the Triton launcher and unused."""
     fm, fv = get_format(fmt_m), get_format(fmt_v)
@@ -91,6 +104,10 @@ def adamw_step(
         m = hyper.beta1 * m + (1 - hyper.beta1) * g
         v = hyper.beta2 * v + (1 - hyper.beta2) * (g * g)
         ok = torch.isfinite(g).all(-1) & torch.isfinite(m).all(-1) & torch.isfinite(v).all(-1)
+        quiet = (g == 0).all(-1)
+        if isinstance(slot.exp_avg, QuantizedGroups) and hyper.m_bound is not None:
+            lim = hyper.m_bound * torch.sqrt(v)
+            m = torch.maximum(torch.minimum(m, lim), -lim)
         step_size, inv_bc2_sqrt = _group_bias_corrections(hyper, slot.skips, ok.shape, p.device)
         denom = torch.sqrt(v) * inv_bc2_sqrt[..., None] + hyper.eps
         p_new = p * (1 - hyper.lr * hyper.weight_decay) - step_size[..., None] * (m / denom)
@@ -100,8 +117,8 @@ def adamw_step(
         else:
             for dst, src in zip((slot.param, rem), master.split(p_new, master.remainder_bits(rem))):
                 dst.copy_(src)
-        _moment_out(slot.exp_avg, m, ok, group_size, fm, dre)
-        _moment_out(slot.exp_avg_sq, v, ok, group_size, fv, dre)
+        _moment_out(slot.exp_avg, m, ok, quiet, hyper.beta1, group_size, fm, dre)
+        _moment_out(slot.exp_avg_sq, v, ok, quiet, hyper.beta2, group_size, fv, dre)
         if slot.skips is not None:
             slot.skips.copy_(torch.where(ok, slot.skips, slot.skips + 1))
         if skipped is not None:

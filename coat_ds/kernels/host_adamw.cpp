@@ -83,6 +83,7 @@ struct Step {
   // Groups that skipped steps before (skips[gi] > 0) are bias-corrected at step - skips[gi]
   // (host._group_bias_corrections): lr / (1 - beta1^n), 1 / sqrt(1 - beta2^n) in float32.
   float lr, step, log2_beta1, log2_beta2;
+  float m_bound;  // layout.adam_bound for a quantized first moment, else +inf (no clamp)
   int32_t* skips;  // per group, or null: no group skipped before and none is counted
   int dre, k_min, k_max, k_one;
 };
@@ -99,9 +100,9 @@ struct GroupVals {
 // A batch's scratch, reused across the batches of one call: group j's elements at j * G.
 struct Scratch {
   std::vector<float> g, m, v, d;
-  std::vector<uint8_t> ok;
+  std::vector<uint8_t> ok, quiet;  // quiet: the group's gradient is all zero
   GroupVals gm, gv;
-  Scratch(int64_t b, int64_t G) : g(b * G), m(b * G), v(b * G), d(b * G), ok(b), gm(b), gv(b) {}
+  Scratch(int64_t b, int64_t G) : g(b * G), m(b * G), v(b * G), d(b * G), ok(b), quiet(b), gm(b), gv(b) {}
 };
 
 // group_codec.dequantize_grouped on one group; lc = log2(its centre).
@@ -189,7 +190,7 @@ void moment_in(const Moment& mo, int64_t gi, int64_t off, int64_t n, float lc, f
 }
 
 void moment_out(const Moment& mo, const Step& s, const Scratch& w, GroupVals& gv, const float* x, int64_t g0,
-                int64_t nb, const int64_t* off, const int64_t* len) {
+                int64_t nb, const int64_t* off, const int64_t* len, float beta) {
   const int64_t G = s.group_size;
   if (mo.fmt < 0) {
     for (int64_t j = 0; j < nb; ++j) {
@@ -200,6 +201,12 @@ void moment_out(const Moment& mo, const Step& s, const Scratch& w, GroupVals& gv
   if (mo.fmt == 0) decide<0>(mo, s, nb, gv); else decide<1>(mo, s, nb, gv);
   for (int64_t j = 0; j < nb; ++j) {
     if (!w.ok[j]) continue;
+    // A group without gradient keeps its codes and decays its centre (host._moment_out).
+    const float decayed = mo.center[g0 + j] * beta;
+    if (w.quiet[j] && decayed >= std::numeric_limits<float>::min()) {
+      mo.center[g0 + j] = decayed;
+      continue;
+    }
     if (mo.fmt == 0) quantize<0>(mo, s, gv, j, g0 + j, off[j], len[j], x + j * G);
     else quantize<1>(mo, s, gv, j, g0 + j, off[j], len[j], x + j * G);
   }
@@ -285,8 +292,9 @@ int64_t run(PT param, const GT* grad, const Moment& mm, const Moment& mv, const 
       const float* __restrict Gc = Gr;
       for (int64_t i = 0; i < n; ++i) {
         const float g = Gc[i];
-        const float mi = b1 * Mr[i] + c1 * g;
         const float vi = b2 * Vr[i] + c2 * (g * g);
+        const float lim = s.m_bound * std::sqrt(vi);  // NaN (inf * 0) or inf: no clamp
+        const float mi = std::min(std::max(b1 * Mr[i] + c1 * g, -lim), lim);
         Mr[i] = mi;
         Vr[i] = vi;
         const uint32_t gb = bits_of(g) & kAbsMask, mb = bits_of(mi) & kAbsMask, vb = bits_of(vi) & kAbsMask;
@@ -302,6 +310,7 @@ int64_t run(PT param, const GT* grad, const Moment& mm, const Moment& mv, const 
       w.gv.amax[j] = float_of(vmax);
       w.gv.amin[j] = vmin == ~0u ? std::numeric_limits<float>::infinity() : float_of(vmin + 1u);
       w.ok[j] = std::max(gmax, std::max(mmax, vmax)) < kExpMask;
+      w.quiet[j] = gmax == 0;
       if (!w.ok[j]) {
         ++skipped;  // the group keeps its parameter and both moments
         if (s.skips != nullptr) ++s.skips[gi];
@@ -326,8 +335,8 @@ int64_t run(PT param, const GT* grad, const Moment& mm, const Moment& mv, const 
         store(param, o + i, load(param, o + i) * s.decay - step_size * (M[i] / denom));
       }
     }
-    moment_out(mm, s, w, w.gm, w.m.data(), b0, nb, off.data(), len.data());
-    moment_out(mv, s, w, w.gv, w.v.data(), b0, nb, off.data(), len.data());
+    moment_out(mm, s, w, w.gm, w.m.data(), b0, nb, off.data(), len.data(), s.beta1);
+    moment_out(mv, s, w, w.gv, w.v.data(), b0, nb, off.data(), len.data(), s.beta2);
   }
   return skipped;
 }
@@ -352,7 +361,8 @@ extern "C" {
 // null / 0.
 // m_fmt / v_fmt: -1 FP32 moment (center, kcode, sexp unused), 0 E4M3, 1 E5M2.
 // hyper: lr * weight decay complement (1 - lr * wd), beta1, beta2, eps, step_size,
-// 1 / bias_correction2_sqrt, 1 - beta1, 1 - beta2, lr, step, log2(beta1), log2(beta2), as
+// 1 / bias_correction2_sqrt, 1 - beta1, 1 - beta2, lr, step, log2(beta1), log2(beta2), the bound
+// of a quantized first moment (+inf: none), as
 // float64 (cast to float32 here, as torch casts a Python scalar). skips: int32 per group
 // (rows x groups per row) or null. fmt_dre: K_ONE * dre_log2_range of m's and v's formats.
 // kcodes: K_ONE, K_MIN_CODE, K_MAX_CODE.
@@ -377,6 +387,7 @@ int64_t coat_host_adamw_step(void* param, int p_bf16, void* rem, int rem_bits, c
   s.step = static_cast<float>(hyper[9]);
   s.log2_beta1 = static_cast<float>(hyper[10]);
   s.log2_beta2 = static_cast<float>(hyper[11]);
+  s.m_bound = m_fmt >= 0 ? static_cast<float>(hyper[12]) : std::numeric_limits<float>::infinity();
   s.skips = skips;
   s.dre = dre;
   s.k_one = static_cast<int>(kcodes[0]);

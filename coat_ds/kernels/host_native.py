@@ -122,9 +122,10 @@ def slot_args(slot: AdamWSlot, fmt_m: Fp8Format, fmt_v: Fp8Format, cols: int) ->
 
 def step_consts(hyper: AdamWHyper, fmt_m: Fp8Format, fmt_v: Fp8Format) -> tuple:
     """The scalars every range of one step shares, as C arrays (kept alive by the caller)."""
-    h = (ctypes.c_double * 12)(1 - hyper.lr * hyper.weight_decay, hyper.beta1, hyper.beta2, hyper.eps,
+    bound = hyper.m_bound
+    h = (ctypes.c_double * 13)(1 - hyper.lr * hyper.weight_decay, hyper.beta1, hyper.beta2, hyper.eps,
                                hyper.step_size, 1.0 / hyper.bias_correction2_sqrt, 1 - hyper.beta1, 1 - hyper.beta2,
-                               hyper.lr, hyper.step, *hyper.log2_betas())
+                               hyper.lr, hyper.step, *hyper.log2_betas(), float("inf") if bound is None else bound)
     dre = (ctypes.c_double * 2)(K_ONE * fmt_m.dre_log2_range, K_ONE * fmt_v.dre_log2_range)
     k = (ctypes.c_int64 * 3)(K_ONE, K_MIN_CODE, K_MAX_CODE)
     return h, dre, k

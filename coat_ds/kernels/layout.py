@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["GroupLayout", "group_layout", "QuantizedGroups", "AdamWSlot", "AdamWHyper", "new_weight_guess"]
+__all__ = ["GroupLayout", "group_layout", "QuantizedGroups", "AdamWSlot", "AdamWHyper", "adam_bound", "new_weight_guess"]
 
 
 @dataclass(frozen=True)
@@ -95,10 +95,26 @@ class AdamWHyper(NamedTuple):
         bc2 = 1.0 - beta2**step
         return cls(lr, beta1, beta2, eps, weight_decay, lr / bc1, bc2**0.5, float(step))
 
+    @property
+    def m_bound(self) -> float | None:
+        """adam_bound of this step's betas: the kernels clamp a quantized first moment to it."""
+        return adam_bound(self.beta1, self.beta2)
+
     def log2_betas(self) -> tuple[float, float]:
         """log2(beta1), log2(beta2) (-inf for 0): the kernels raise beta to a group's own
         step count as exp2(n * log2(beta))."""
         return tuple(math.log2(b) if b > 0 else float("-inf") for b in (self.beta1, self.beta2))
+
+
+def adam_bound(beta1: float, beta2: float) -> float | None:
+    """B with |m| <= B * sqrt(v), element by element, for every state AdamW can reach from any
+    gradients (Cauchy-Schwarz over m's and v's geometric sums): (1 - b1) / sqrt((1 - b2) *
+    (1 - b1**2 / b2)); None where b1**2 >= b2 (no such bound). FP8 moments rounded again at
+    every step drift apart and can leave it, and then updates are no longer a few lr:
+    quantized moments are clamped to it, which changes nothing AdamW could reach."""
+    if not beta1 ** 2 < beta2:
+        return None
+    return (1 - beta1) / math.sqrt((1 - beta2) * (1 - beta1 ** 2 / beta2))
 
 
 def new_weight_guess(device: torch.device) -> torch.Tensor:
