@@ -18,7 +18,7 @@ export NGPU
 if [ "${BASH_SOURCE[0]}" = "$0" ]; then
     if [ $# -gt 0 ]; then exec "$@"; fi
     OUT=${OUT:-/tmp/gpu_check}; mkdir -p "$OUT"
-    TESTS=${TESTS:-"tests/test_kernels.py tests/test_act_kernels.py tests/test_optim.py tests/test_optim_contract.py tests/test_dre.py tests/test_kernel_paths.py tests/test_fp8_linear.py"}
+    TESTS=${TESTS:-"tests/test_kernels.py tests/test_act_kernels.py tests/test_optim.py tests/test_optim_contract.py tests/test_dre.py tests/test_kernel_paths.py tests/test_fp8_linear.py tests/test_moment_drift.py"}
     "$PYTHON" -m pytest -q -p no:cacheprovider $TESTS 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
     "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee "$OUT/gpu_marked.log" | tail -5
     echo "== summary"; grep -h -E "passed|failed" "$OUT/gpu_tests.log" "$OUT/gpu_marked.log" | tail -2
