@@ -270,8 +270,8 @@ class _Launch:
             plan.table, plan.blocks, skipped, skipped if grad_scale is None else grad_scale,
             hyper.beta1, hyper.beta2, hyper.eps, 1.0 - hyper.lr * hyper.weight_decay, hyper.step_size,
             1.0 / hyper.bias_correction2_sqrt, hyper.lr, hyper.step, *hyper.log2_betas(), hyper.m_bound or 0.0,
-            CLAMP=self.consts["QUANT"] and hyper.m_bound is not None, ALIGNED=plan.aligned, GSCALE=grad_scale is not None, ISA=kernel_isa(self.device),  # may change
-            **self.consts)
+            CLAMP=self.consts["QUANT"] and hyper.m_bound is not None, ALIGNED=plan.aligned,
+            GSCALE=grad_scale is not None, ISA=kernel_isa(self.device), **self.consts)  # ISA may change
 
 
 def adamw_step_triton(slots: list[AdamWSlot], hyper: AdamWHyper, *, group_size: int = 128, fmt_m="e4m3",

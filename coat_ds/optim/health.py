@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import torch
 
-from ..config import OptimStateConfig
-from ..kernels import QuantizedGroups, get, group_layout
+from ..kernels import group_layout
 from ..kernels.layout import adam_bound
 from ..memory.tensors import local_tensor
-from .moment import moment_format
+from .moment import MOMENTS, Fp8Moment
+from .state import group_state_config, is_quantized, moment
 
 __all__ = ["moment_bound_ratios", "param_absmax", "stepped", "CORRUPT_RATIO"]
 
 # Far above FP8's rounding of a clamped state: a warning's threshold.
 CORRUPT_RATIO = 4.0
-_CONFIG_KEYS = tuple(OptimStateConfig.__dataclass_fields__)
 # Elements decoded at a time: the temporaries of a whole embedding's moments would not fit
 # beside a model at the edge of memory.
 _CHUNK = 1 << 22
@@ -48,33 +47,34 @@ def param_absmax(params: list[tuple[torch.Tensor, dict]]) -> torch.Tensor:
     return torch.stack(out) if out else torch.zeros(0)
 
 
-def _pieces(shape, group_size: int):
-    """(rows, cols) slices of a moment's (rows, cols) view, whole groups, at most ~_CHUNK
-    elements each, with the slices of its (rows, groups per row) metadata."""
-    lay = group_layout(shape, group_size)
+def _pieces(x: Fp8Moment):
+    """`x` in pieces of whole groups of its (rows, cols) view, at most ~_CHUNK elements each:
+    runs of rows, or runs of one row's groups where a row is longer."""
+    lay = group_layout(x.groups.codes.shape, x.group_size)
+
+    def part(rows: slice, cols: slice, groups: slice) -> Fp8Moment:
+        return x.map(lambda c: c.reshape(lay.rows, lay.cols)[rows, cols], lambda t: t[rows, groups])
+
     if lay.cols <= _CHUNK:
         step = max(1, _CHUNK // max(1, lay.cols))
         for r in range(0, lay.rows, step):
-            yield slice(r, r + step), slice(None), slice(None)
+            yield part(slice(r, r + step), slice(None), slice(None))
         return
-    per = max(1, _CHUNK // group_size)
+    per = max(1, _CHUNK // x.group_size)
     for r in range(lay.rows):
         for g in range(0, lay.groups_per_row, per):
-            yield slice(r, r + 1), slice(g * group_size, (g + per) * group_size), slice(g, g + per)
+            yield part(slice(r, r + 1), slice(g * x.group_size, (g + per) * x.group_size), slice(g, g + per))
 
 
-def _ratio_of_quantized(group: dict, state: dict, bound: float) -> torch.Tensor:
-    cfg = OptimStateConfig(**{k: group[k] for k in _CONFIG_KEYS if k in group})
-    parts = {name: [local_tensor(state[f"{name}_{f}"]) for f in QuantizedGroups._fields]
-             for name in ("exp_avg", "exp_avg_sq")}
-    codes = parts["exp_avg"][0]
-    lay = group_layout(codes.shape, cfg.group_size)
-    decode = get("group_codec", codes.device, cfg.backend).dequantize
-    worst = torch.zeros((), dtype=torch.float32, device=codes.device)
-    for rows, cols, groups in _pieces(codes.shape, cfg.group_size):
-        m, v = (decode(QuantizedGroups(p[0].reshape(lay.rows, lay.cols)[rows, cols], *(t[rows, groups] for t in p[1:])),
-                       cfg.group_size, moment_format(cfg, name)) for name, p in parts.items())
-        worst = torch.maximum(worst, _ratio(m, v, bound))
+def _moment_ratio(group: dict, state: dict, bound: float) -> torch.Tensor:
+    cfg = group_state_config(group)
+    m, v = (moment(state, name, cfg) for name in MOMENTS)
+    if not isinstance(m, Fp8Moment):
+        return _ratio(local_tensor(m).float(), local_tensor(v).float(), bound)
+    m, v = (x.map(local_tensor, local_tensor) for x in (m, v))
+    worst = torch.zeros((), dtype=torch.float32, device=m.groups.codes.device)
+    for mp, vp in zip(_pieces(m), _pieces(v)):
+        worst = torch.maximum(worst, _ratio(mp.to_fp32(cfg.backend), vp.to_fp32(cfg.backend), bound))
     return worst
 
 
@@ -92,10 +92,8 @@ def moment_bound_ratios(optimizer: torch.optim.Optimizer, params: list[tuple[tor
         zero = torch.zeros((), dtype=torch.float32, device=local_tensor(p).device)
         if bound is None or not local_tensor(p).numel():
             out.append(zero)
-        elif "exp_avg_codes" in state:
-            out.append(_ratio_of_quantized(group, state, bound))
-        elif "exp_avg" in state and "exp_avg_sq" in state:
-            out.append(_ratio(local_tensor(state["exp_avg"]).float(), local_tensor(state["exp_avg_sq"]).float(), bound))
+        elif is_quantized(state) or all(name in state for name in MOMENTS):
+            out.append(_moment_ratio(group, state, bound))
         else:
             out.append(zero)
     return torch.stack(out) if out else torch.zeros(0)

@@ -17,11 +17,18 @@ from ..kernels import QuantizedGroups, group_layout
 from ..memory.tensors import local_tensor, unique_storage_bytes
 from .moment import MOMENTS, Fp8Moment
 
-__all__ = ["MOMENTS", "SKIPS_KEY", "REMAINDER_KEY", "is_quantized", "init_state", "zero_skips", "moment",
+__all__ = ["MOMENTS", "SKIPS_KEY", "REMAINDER_KEY", "is_quantized", "init_state", "zero_skips", "moment", "group_state_config",
            "kernel_moments", "state_tensors", "state_bytes", "to_fp32", "from_fp32"]
 
 SKIPS_KEY = "group_skips"
 REMAINDER_KEY = "master_remainder"
+
+
+def group_state_config(group: dict) -> OptimStateConfig:
+    """The OptimStateConfig a CoatAdamW param group (or its saved copy) stands for; an option
+    a group lacks (`master_weights` is never saved; torch.optim.AdamW's have none) takes its
+    default."""
+    return OptimStateConfig(**{k: group[k] for k in OptimStateConfig.__dataclass_fields__ if k in group})
 
 
 def is_quantized(state: dict) -> bool:

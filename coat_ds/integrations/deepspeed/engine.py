@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from ..._compat.deepspeed import comm_op_build, fp32_partitions
-from ...config import OptimStateConfig
 from ...optim import CoatAdamW
 from ...optim import state as st
+from ...optim.state import group_state_config
 from ...config.shipped import find_ds_config
 from .config import (OPTIMIZER_ARGUMENTS, batch_keys, bf16_key, gradient_clipping, load_ds_config, optimizer_section,
                      precision, zero_stage)
@@ -350,12 +350,6 @@ def engine_gradients(engine) -> list[torch.Tensor]:
         if "grad" in key.lower():
             found.extend(_tensors_in(value))
     return [t for t in found if t is not None]
-
-
-def group_state_config(group: dict) -> OptimStateConfig:
-    """The OptimStateConfig a CoatAdamW param group (or its saved copy) stands for; an option
-    a saved group lacks (`master_weights` is never saved) takes its default."""
-    return OptimStateConfig(**{k: group[k] for k in OptimStateConfig.__dataclass_fields__ if k in group})
 
 
 @dataclass(frozen=True)
